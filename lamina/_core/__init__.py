@@ -1,0 +1,1 @@
+"""The core: definition (modules, variables) -> plan (one walk) -> call (frames)."""

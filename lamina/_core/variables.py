@@ -1,0 +1,358 @@
+"""Variable declarations: `State` and its kinds. A declaration describes an array, holds none.
+
+Inside `init`/`apply` a declaration reads and writes the array bound to it by the active
+frame; outside, `.value` only accepts a constant initial value (model surgery).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from .errors import UnboundVariableError, format_path
+from .frame import _LOCAL, frame_of
+
+Shape = tuple[int, ...]
+Initializer = Callable[..., Any]
+
+
+class State:
+    """An array the model declares: its collection, shape, initializer and dtypes.
+
+    A `State` holds no value. Inside a call, `.value` is the array bound to it (cast to
+    `dtype`); assigning `.value` stores a new one if the state is `mutable`. Outside a call,
+    assigning `.value` replaces the initializer with that constant (the shape must match).
+    Inside a call a state also behaves like its array: ``x @ self.kernel``, ``self.count += 1``.
+
+    Args:
+        collection: The top-level key its value lives under (``"params"``, ``"batch_stats"``...).
+        shape: The array's shape.
+        init: ``init(key, shape, dtype) -> array``; any `jax.nn.initializers` function works.
+        dtype: The dtype `.value` returns (compute dtype).
+        param_dtype: The dtype stored in the variables (default: `dtype`).
+        mutable: Whether `apply` may write it.
+        tags: Extra names that string filters match (the collection always matches).
+        sharding: Logical axis names, one per dimension (``None`` for a replicated one).
+
+    Example:
+        >>> import jax.numpy as jnp, lamina as lm
+        >>> count = lm.State("counters", (), lm.initializers.zeros(), jnp.int32, mutable=True)
+        >>> count.shape, count.collection
+        ((), 'counters')
+    """
+
+    # Set on the copy that `transform` plans; never on the user's own objects.
+    _lamina_plan: Any = None
+    _lamina_slot: int | None = None
+    _lamina_path: tuple | None = None
+    _lamina_fixed_collection = False  # True for kinds whose constructor sets the collection
+
+    def __init__(
+        self,
+        collection: str,
+        shape: Sequence[int] | int,
+        init: Initializer,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = None,
+        mutable: bool = False,
+        *,
+        tags: Sequence[str] | str = (),
+        sharding: Sequence[str | None] | None = None,
+    ):
+        kind = type(self).__name__
+        if not isinstance(collection, str) or not collection or "/" in collection:
+            raise ValueError(
+                f"{kind}: collection must be a non-empty string without '/', got {collection!r}."
+            )
+        self.collection = collection
+        self.shape = _as_shape(shape, kind)
+        if not callable(init):
+            raise TypeError(
+                f"{kind}: init must be a function init(key, shape, dtype) -> array, such as "
+                f"lm.initializers.zeros(); got {init!r}."
+            )
+        self.init = init
+        self.dtype = _as_dtype(dtype, kind, "dtype")
+        self.param_dtype = (
+            self.dtype if param_dtype is None else _as_dtype(param_dtype, kind, "param_dtype")
+        )
+        self.mutable = bool(mutable)
+        self.tags = (tags,) if isinstance(tags, str) else tuple(tags)
+        if not all(isinstance(t, str) for t in self.tags):
+            raise TypeError(f"{kind}: tags must be strings, got {self.tags!r}.")
+        self.sharding = None if sharding is None else tuple(sharding)
+        if self.sharding is not None and len(self.sharding) != len(self.shape):
+            raise ValueError(
+                f"{kind}: sharding names one logical axis per dimension; shape {self.shape} has "
+                f"{len(self.shape)} dimensions but sharding={self.sharding!r}."
+            )
+
+    @property
+    def value(self) -> Any:
+        """The bound array inside a call, cast to `dtype`."""
+        frame = _LOCAL.frame
+        if frame is None or frame.plan is not self._lamina_plan:
+            frame = frame_of(self)
+        v = frame.values[self._lamina_slot]
+        return v if v.dtype == self.dtype else v.astype(self.dtype)
+
+    @value.setter
+    def value(self, new: Any) -> None:
+        if self._lamina_plan is None:
+            self._assign_initial(new)
+            return
+        frame = _LOCAL.frame
+        if frame is None or frame.plan is not self._lamina_plan:
+            frame = frame_of(self)
+        frame.write(self, new)
+
+    def _assign_initial(self, array: Any, path: str | None = None) -> None:
+        got = tuple(np.shape(array))
+        if got != self.shape:
+            where = f" at {path}" if path else ""
+            raise ValueError(
+                f"cannot assign a value of shape {got} to {type(self).__name__}{where} declared "
+                f"with shape {self.shape}; the shapes must be equal."
+            )
+        self.init = Assigned(array)
+
+    @property
+    def ndim(self) -> int:
+        """The number of dimensions of the declared shape."""
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        """The number of elements of the declared shape."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def T(self) -> Any:
+        """The transposed value (inside a call)."""
+        return self.value.T
+
+    def __getattr__(self, name: str) -> Any:
+        # Array methods (`reshape`, `sum`, `astype`, ...) on the value, inside a call only.
+        if name.startswith("_") or self._lamina_plan is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.value, name)
+
+    def __jax_array__(self) -> Any:
+        return self.value
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self.value, dtype=dtype)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.value[index]
+
+    def __neg__(self) -> Any:
+        return -self.value
+
+    def __pos__(self) -> Any:
+        return +self.value
+
+    def __abs__(self) -> Any:
+        return abs(self.value)
+
+    def __invert__(self) -> Any:
+        return ~self.value
+
+    def __repr__(self) -> str:
+        where = ""
+        if self._lamina_path is not None:
+            where = f", path={format_path(self._lamina_path, self.collection)!r}"
+        extra = "" if self.param_dtype == self.dtype else f", param_dtype={self.param_dtype}"
+        collection = "" if self._lamina_fixed_collection else f"{self.collection!r}, "
+        return (
+            f"{type(self).__name__}({collection}shape={self.shape}, dtype={self.dtype}{extra}, "
+            f"init={_name_of(self.init)}{where})"
+        )
+
+
+def _unwrap(x: Any) -> Any:
+    return x.value if isinstance(x, State) else x
+
+
+def _binary(op: Callable) -> Callable:
+    def method(self: State, other: Any) -> Any:
+        return op(self.value, _unwrap(other))
+
+    return method
+
+
+def _reflected(op: Callable) -> Callable:
+    def method(self: State, other: Any) -> Any:
+        return op(_unwrap(other), self.value)
+
+    return method
+
+
+def _inplace(op: Callable) -> Callable:
+    def method(self: State, other: Any) -> State:
+        self.value = op(self.value, _unwrap(other))
+        return self  # so that `self.count += 1` rebinds the same declaration
+
+    return method
+
+
+for _name, _op in {
+    "add": operator.add,
+    "sub": operator.sub,
+    "mul": operator.mul,
+    "truediv": operator.truediv,
+    "floordiv": operator.floordiv,
+    "mod": operator.mod,
+    "pow": operator.pow,
+    "matmul": operator.matmul,
+    "and": operator.and_,
+    "or": operator.or_,
+    "xor": operator.xor,
+    "lshift": operator.lshift,
+    "rshift": operator.rshift,
+}.items():
+    setattr(State, f"__{_name}__", _binary(_op))
+    setattr(State, f"__r{_name}__", _reflected(_op))
+    setattr(State, f"__i{_name}__", _inplace(_op))
+for _name, _op in {
+    "lt": operator.lt,
+    "le": operator.le,
+    "gt": operator.gt,
+    "ge": operator.ge,
+}.items():
+    setattr(State, f"__{_name}__", _binary(_op))
+
+
+class Parameter(State):
+    """A trainable array: a `State` in collection ``"params"``, never mutable.
+
+    Example:
+        >>> import lamina as lm
+        >>> w = lm.Parameter((3, 4), lm.initializers.lecun_normal())
+        >>> w.collection, w.mutable
+        ('params', False)
+    """
+
+    _lamina_fixed_collection = True
+
+    def __init__(
+        self,
+        shape: Sequence[int] | int,
+        init: Initializer,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = None,
+        *,
+        tags: Sequence[str] | str = (),
+        sharding: Sequence[str | None] | None = None,
+    ):
+        super().__init__(
+            "params", shape, init, dtype, param_dtype, mutable=False, tags=tags, sharding=sharding
+        )
+
+
+class BatchStat(State):
+    """A running statistic (collection ``"batch_stats"``, mutable), as in `BatchNorm`."""
+
+    _lamina_fixed_collection = True
+
+    def __init__(
+        self,
+        shape: Sequence[int] | int,
+        init: Initializer,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = None,
+        *,
+        tags: Sequence[str] | str = (),
+        sharding: Sequence[str | None] | None = None,
+    ):
+        super().__init__(
+            "batch_stats",
+            shape,
+            init,
+            dtype,
+            param_dtype,
+            mutable=True,
+            tags=tags,
+            sharding=sharding,
+        )
+
+
+class Cache(State):
+    """A decoding cache (collection ``"cache"``, mutable), as in incremental attention."""
+
+    _lamina_fixed_collection = True
+
+    def __init__(
+        self,
+        shape: Sequence[int] | int,
+        init: Initializer,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = None,
+        *,
+        tags: Sequence[str] | str = (),
+        sharding: Sequence[str | None] | None = None,
+    ):
+        super().__init__(
+            "cache", shape, init, dtype, param_dtype, mutable=True, tags=tags, sharding=sharding
+        )
+
+
+class Assigned:
+    """The initializer that `.value = array` installs: it returns that array.
+
+    Args:
+        array: The constant initial value.
+    """
+
+    def __init__(self, array: Any):
+        self.array = array
+
+    def __call__(self, key: Any, shape: Sequence[int], dtype: Any = jnp.float32) -> Any:
+        del key, shape
+        return jnp.asarray(self.array, dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"assigned{tuple(np.shape(self.array))}"
+
+
+def _name_of(init: Any) -> str:
+    name = getattr(init, "__qualname__", None)  # functions; initializer objects print themselves
+    return name if name is not None else repr(init)
+
+
+def _as_shape(shape: Any, kind: str) -> Shape:
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{kind}: shape must be a tuple of ints, got {shape!r}.") from None
+    if not all(
+        isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in dims
+    ):
+        raise TypeError(f"{kind}: shape must be a tuple of non-negative ints, got {shape!r}.")
+    return tuple(int(d) for d in dims)
+
+
+def _as_dtype(dtype: Any, kind: str, name: str) -> np.dtype:
+    try:
+        return jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(
+            f"{kind}: {name} must be a dtype such as jnp.float32, got {dtype!r}."
+        ) from None
+
+
+class PendingValues:
+    """Stands for `Frame.values` while `init` runs initializers: nothing is readable yet."""
+
+    def __getitem__(self, slot: int) -> Any:
+        raise UnboundVariableError(
+            "variables cannot be read while init runs their initializers: an initializer "
+            "receives (key, shape, dtype) and must not depend on other variables. Compute "
+            "derived values inside apply instead."
+        )

@@ -1,0 +1,18 @@
+"""Test configuration: JAX's strict modes, so sloppy dtype and rank handling fails early."""
+
+import jax
+import pytest
+from hypothesis import settings
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+settings.register_profile("lamina", deadline=None, max_examples=25, derandomize=True)
+settings.load_profile("lamina")
+
+
+@pytest.fixture
+def getkey():
+    """Returns a function that hands out fresh keys, one per call."""
+    keys = iter(jax.random.split(jax.random.key(0), 1000))
+    return lambda: next(keys)

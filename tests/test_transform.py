@@ -1,0 +1,406 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lamina as lm
+
+
+class Mlp(lm.Module):
+    def __init__(self, in_size=4, hidden=8, out_size=3):
+        super().__init__()
+        self.layer1 = lm.Dense(in_size, hidden)
+        self.layer2 = lm.Dense(hidden, out_size)
+
+    def __call__(self, x):
+        return self.layer2(lm.relu(self.layer1(x)))
+
+    def features(self, x):
+        return lm.relu(self.layer1(x))
+
+
+def shapes(tree):
+    return jax.tree.map(jnp.shape, tree)
+
+
+def assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_transformed_is_named_tuple():
+    t = lm.transform(Mlp())
+    assert isinstance(t, lm.Transformed)
+    init, apply = t
+    assert t.init is init and t.apply is apply
+
+
+def test_init_layout_is_linen(getkey):
+    variables = lm.transform(Mlp()).init(getkey())
+    assert shapes(variables) == {
+        "params": {
+            "layer1": {"kernel": (4, 8), "bias": (8,)},
+            "layer2": {"kernel": (8, 3), "bias": (3,)},
+        }
+    }
+
+
+def test_init_matches_linen_layout():
+    flax_nn = pytest.importorskip("flax.linen")
+
+    class LinenMlp(flax_nn.Module):
+        @flax_nn.compact
+        def __call__(self, x):
+            x = flax_nn.relu(flax_nn.Dense(8, name="layer1")(x))
+            return flax_nn.Dense(3, name="layer2")(x)
+
+    key = jax.random.key(0)
+    linen_vars = LinenMlp().init(key, jnp.ones((1, 4)))
+    ours = lm.transform(Mlp()).init(key)
+    assert shapes(dict(linen_vars)) == shapes(ours)
+    # Linen's variables run in lamina's apply, and give Linen's outputs.
+    x = jax.random.normal(jax.random.key(1), (5, 4))
+    out, _ = lm.transform(Mlp()).apply(linen_vars, None, x)
+    np.testing.assert_allclose(out, LinenMlp().apply(linen_vars, x), rtol=1e-6)
+
+
+def test_transform_is_a_snapshot(getkey):
+    model = Mlp()
+    init, apply = lm.transform(model)
+    model.layer2 = lm.Dense(8, 20)
+    model.layer1.kernel.value = jnp.zeros((4, 8))
+    variables = init(getkey())
+    assert variables["params"]["layer2"]["kernel"].shape == (8, 3)
+    assert np.abs(variables["params"]["layer1"]["kernel"]).sum() > 0
+
+
+def test_init_keys_derive_from_path(getkey):
+    key = getkey()
+    model = Mlp()
+    before = lm.transform(model).init(key)
+    model.layer2 = lm.Dense(8, 20)  # surgery on one layer
+    after = lm.transform(model).init(key)
+    assert_trees_equal(before["params"]["layer1"], after["params"]["layer1"])
+    # different paths get different keys even with the same shape and initializer
+    twins = lm.transform(Mlp(8, 8, 8)).init(key)["params"]
+    assert not np.allclose(twins["layer1"]["kernel"], twins["layer2"]["kernel"])
+    # and a different rng gives different values
+    other = lm.transform(model).init(getkey())
+    assert not np.allclose(other["params"]["layer1"]["kernel"], after["params"]["layer1"]["kernel"])
+
+
+def test_init_under_jit_equals_eager(getkey):
+    init, _ = lm.transform(Mlp())
+    key = getkey()
+    assert_trees_equal(jax.jit(init)(key), init(key))
+
+
+def test_init_accepts_raw_and_typed_keys_and_params_stream():
+    init, _ = lm.transform(Mlp())
+    raw = init(jax.random.PRNGKey(0))
+    assert shapes(raw) == shapes(init(jax.random.key(0)))
+    via_params = init({"params": jax.random.key(3)})
+    via_default = init(lm.PRNGKeys(jax.random.key(3)))
+    assert_trees_equal(via_params, via_default)
+
+
+def test_init_without_key_is_a_clear_error():
+    init, _ = lm.transform(Mlp())
+    with pytest.raises(lm.RngError, match=r"init needs a PRNG key.*jax.random.key\(0\)"):
+        init(None)
+
+
+def test_model_without_variables(getkey):
+    class Plain(lm.Module):
+        def __call__(self, x):
+            return 2 * x
+
+    init, apply = lm.transform(Plain())
+    assert init() == {}
+    out, new = apply({}, None, jnp.ones(2))
+    np.testing.assert_allclose(out, [2.0, 2.0])
+    assert new == {}
+
+
+def test_apply_is_pure(getkey):
+    model = Mlp()
+    init, apply = lm.transform(model)
+    variables = init(getkey())
+    x = jax.random.normal(getkey(), (2, 4))
+    copy = jax.tree.map(lambda a: a, variables)
+    out1, new1 = apply(variables, None, x)
+    out2, new2 = apply(variables, None, x)
+    np.testing.assert_array_equal(out1, out2)
+    assert_trees_equal(new1, new2)
+    assert_trees_equal(variables, copy)
+    assert new1 is not variables and new1["params"] is not variables["params"]
+    new1.pop("params")  # the seed's pattern: mutating the result leaves the input intact
+    assert "params" in variables
+
+
+def test_to_callable_picks_method(getkey):
+    init, apply = lm.transform(Mlp(), to_callable=lambda m: m.features)
+    out, _ = apply(init(getkey()), None, jnp.ones((1, 4)))
+    assert out.shape == (1, 8)
+
+
+def test_to_callable_must_return_callable():
+    with pytest.raises(TypeError, match="to_callable must return the function"):
+        lm.transform(Mlp(), to_callable=lambda m: m.layer1.kernel.shape)
+
+
+def test_to_callable_using_the_original_model_is_explained(getkey):
+    model = Mlp()
+    init, apply = lm.transform(model, to_callable=lambda m: model.features)
+    with pytest.raises(lm.UnboundVariableError, match=r"not part of the model being applied"):
+        apply(init(getkey()), None, jnp.ones((1, 4)))
+
+
+def test_module_without_call(getkey):
+    class NoCall(lm.Module):
+        def __init__(self):
+            self.w = lm.Parameter((1,), lm.initializers.zeros())
+
+    init, apply = lm.transform(NoCall())
+    with pytest.raises(TypeError, match=r"has no __call__ method.*to_callable"):
+        apply(init(getkey()))
+
+
+def test_transform_rejects_non_module():
+    with pytest.raises(TypeError, match=r"expects an lm\.Module, got function"):
+        lm.transform(lambda x: x)
+
+
+def test_apply_rejects_bad_variables_before_computing(getkey):
+    calls = []
+
+    class Spy(Mlp):
+        def __call__(self, x):
+            calls.append(1)
+            return super().__call__(x)
+
+    init, apply = lm.transform(Spy())
+    variables = init(getkey())
+    x = jnp.ones((1, 4))
+    missing = {"params": {"layer1": variables["params"]["layer1"]}}
+    with pytest.raises(
+        lm.VariablesError,
+        match=r"missing \(2\): params/layer2/bias, "
+        r"params/layer2/kernel",
+    ):
+        apply(missing, None, x)
+    extra = {"params": {**variables["params"], "layer3": {"kernel": jnp.ones(2)}}}
+    with pytest.raises(lm.VariablesError, match=r"unexpected \(1\): params/layer3/kernel"):
+        apply(extra, None, x)
+    wrong = jax.tree.map(lambda a: a, variables)
+    wrong["params"]["layer1"]["kernel"] = jnp.ones((4, 7))
+    with pytest.raises(
+        lm.VariablesError, match=r"params/layer1/kernel: expected \(4, 8\), got \(4, 7\)"
+    ):
+        apply(wrong, None, x)
+    with pytest.raises(lm.VariablesError, match=r"did you pass variables\['params'\]"):
+        apply(variables["params"], None, x)
+    with pytest.raises(lm.VariablesError, match="must be a dict"):
+        apply([1, 2], None, x)
+    none_leaf = {"params": {**variables["params"], "layer2": None}}
+    with pytest.raises(lm.VariablesError, match="NoneType at params/layer2"):
+        apply(none_leaf, None, x)
+    assert calls == []
+
+
+def test_apply_accepts_other_mappings_and_numpy(getkey):
+    flax_core = pytest.importorskip("flax.core")
+    init, apply = lm.transform(Mlp())
+    variables = init(getkey())
+    x = jnp.ones((1, 4))
+    expected, _ = apply(variables, None, x)
+    frozen = flax_core.freeze(variables)
+    np.testing.assert_allclose(apply(frozen, None, x)[0], expected)
+    as_numpy = jax.tree.map(np.asarray, variables)
+    np.testing.assert_allclose(apply(as_numpy, None, x)[0], expected)
+
+
+def test_python_scalar_leaves_are_converted(getkey):
+    class Scalar(lm.Module):
+        def __init__(self):
+            self.s = lm.Parameter((), lm.initializers.ones())
+
+        def __call__(self):
+            return self.s * 2.0
+
+    init, apply = lm.transform(Scalar())
+    out, _ = apply({"params": {"s": 3.0}})
+    assert float(out) == 6.0
+
+
+class Tied(lm.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = lm.Dense(3, 3, use_bias=False)
+        self.decoder = self.encoder  # the same module, a second path
+        self.shared = lm.Parameter((3,), lm.initializers.ones())
+        self.scales = [self.shared, self.shared]
+
+    def __call__(self, x):
+        y = self.decoder(self.encoder(x))
+        return y * (self.scales[0] * self.scales[1])[None]
+
+
+def test_weight_tying_one_variable_first_path(getkey):
+    variables = lm.transform(Tied()).init(getkey())
+    assert shapes(variables) == {"params": {"encoder": {"kernel": (3, 3)}, "shared": (3,)}}
+
+
+def test_weight_tying_gradient_sums_over_uses(getkey):
+    init, apply = lm.transform(Tied())
+    variables = init(getkey())
+    x = jax.random.normal(getkey(), (2, 3))
+
+    def loss(params):
+        out, _ = apply({"params": params}, None, x)
+        return jnp.sum(out**2)
+
+    grads = jax.grad(loss)(variables["params"])
+
+    def by_hand(kernel, shared):
+        return jnp.sum(((x @ kernel) @ kernel * (shared * shared)[None]) ** 2)
+
+    gk, gs = jax.grad(by_hand, argnums=(0, 1))(
+        variables["params"]["encoder"]["kernel"], variables["params"]["shared"]
+    )
+    np.testing.assert_allclose(grads["encoder"]["kernel"], gk, rtol=1e-5)
+    np.testing.assert_allclose(grads["shared"], gs, rtol=1e-5)
+
+
+def test_colliding_keys_are_an_error():
+    class Collide(lm.Module):
+        def __init__(self):
+            self.table = {
+                1: lm.Parameter((1,), lm.initializers.zeros()),
+                "1": lm.Parameter((1,), lm.initializers.zeros()),
+            }
+
+    with pytest.raises(ValueError, match=r"same place in the variables dict, params/table/1"):
+        lm.transform(Collide())
+
+
+class Noisy(lm.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense = lm.Dense(4, 4)
+        self.count = lm.State("counters", (), lm.initializers.zeros(), jnp.int32, mutable=True)
+
+    def __call__(self, x):
+        self.count += 1
+        noise = jax.random.normal(lm.next_rng_key("noise"), x.shape)
+        return self.dense(x + noise)
+
+
+@pytest.mark.parametrize("wrap", ["jit", "checkpoint"])
+def test_apply_under_jit_and_checkpoint_equals_eager(getkey, wrap):
+    init, apply = lm.transform(Noisy())
+    variables = init(getkey())
+    x, rng = jax.random.normal(getkey(), (2, 4)), getkey()
+    expected = apply(variables, rng, x)
+    wrapped = {"jit": jax.jit, "checkpoint": jax.checkpoint}[wrap](apply)
+    got = wrapped(variables, rng, x)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-6)
+    assert_trees_equal(got[1], expected[1])
+
+
+def test_apply_under_grad_equals_manual(getkey):
+    init, apply = lm.transform(Mlp())
+    variables = init(getkey())
+    x = jax.random.normal(getkey(), (5, 4))
+
+    def loss(params, x):
+        return jnp.sum(apply({"params": params}, None, x)[0] ** 2)
+
+    def manual(p, x):
+        h = jax.nn.relu(x @ p["layer1"]["kernel"] + p["layer1"]["bias"][None])
+        return jnp.sum((h @ p["layer2"]["kernel"] + p["layer2"]["bias"][None]) ** 2)
+
+    g = jax.grad(loss)(variables["params"], x)
+    g_manual = jax.grad(manual)(variables["params"], x)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), g, g_manual)
+    g_jit = jax.jit(jax.grad(loss))(variables["params"], x)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), g, g_jit)
+
+
+def test_apply_under_vmap_over_inputs(getkey):
+    init, apply = lm.transform(Mlp())
+    variables = init(getkey())
+    xs = jax.random.normal(getkey(), (6, 4))
+    batched, _ = jax.vmap(lambda x: apply(variables, None, x))(xs)
+    np.testing.assert_allclose(batched, apply(variables, None, xs)[0], rtol=1e-6)
+
+
+def test_ensemble_vmap_over_init_and_apply(getkey):
+    init, apply = lm.transform(Mlp())
+    keys = jax.random.split(getkey(), 5)
+    stacked = jax.vmap(init)(keys)
+    assert stacked["params"]["layer1"]["kernel"].shape == (5, 4, 8)
+    x = jax.random.normal(getkey(), (2, 4))
+    outs, _ = jax.vmap(apply, in_axes=(0, None, None))(stacked, None, x)
+    assert outs.shape == (5, 2, 3)
+    for i in range(5):
+        member = jax.tree.map(lambda a, i=i: a[i], stacked)
+        np.testing.assert_allclose(
+            member["params"]["layer1"]["kernel"],
+            init(keys[i])["params"]["layer1"]["kernel"],
+            rtol=1e-6,
+        )
+        np.testing.assert_allclose(outs[i], apply(member, None, x)[0], rtol=1e-5)
+
+
+def test_nested_transformed_models(getkey):
+    teacher = lm.transform(Mlp())
+    teacher_vars = teacher.init(getkey())
+
+    class Student(lm.Module):
+        def __init__(self):
+            self.head = lm.Dense(3, 3)
+
+        def __call__(self, x):
+            target, _ = teacher.apply(teacher_vars, None, x)
+            return self.head(target)
+
+    init, apply = lm.transform(Student())
+    out, _ = apply(init(getkey()), None, jnp.ones((1, 4)))
+    assert out.shape == (1, 3)
+
+
+def test_apply_positional_only_frees_keyword_names(getkey):
+    class Kw(lm.Module):
+        def __call__(self, *, variables, rngs):
+            return variables + rngs
+
+    init, apply = lm.transform(Kw())
+    out, _ = apply({}, None, variables=1, rngs=2)
+    assert out == 3
+
+
+def test_grouped_init_equals_one_by_one(getkey):
+    """Identical layers are initialised by one vectorised call; values must not change."""
+
+    class Stackish(lm.Module):
+        def __init__(self, n):
+            self.layers = [lm.Dense(3, 3) for _ in range(n)]
+            self.odd = lm.Dense(3, 3, kernel_init=lambda k, s, d: jax.random.normal(k, s, d))
+
+    key = getkey()
+    init, _ = lm.transform(Stackish(6))
+    grouped = init(key)
+    plan = lm._core.graph.Plan(Stackish(6))
+    for entry in plan.variables:
+        salt = plan.init_salt(entry)
+        one = entry.state.init(jax.random.fold_in(key, salt), entry.state.shape, jnp.float32)
+        got = grouped
+        for part in entry.key:
+            got = got[part]
+        np.testing.assert_array_equal(got, one, err_msg=entry.name)
+    jitted = jax.jit(init)(key)
+    jax.tree.map(np.testing.assert_array_equal, jitted, grouped)
+    ensemble = jax.vmap(init)(jax.random.split(key, 2))
+    assert ensemble["params"]["layers"]["5"]["kernel"].shape == (2, 3, 3)
