@@ -15,7 +15,6 @@ lamina to it is the library's own overhead; "raw JAX" is the idiomatic hand-writ
 from __future__ import annotations
 
 import argparse
-import statistics
 import timeit
 
 import jax
@@ -235,7 +234,9 @@ def main():
 
     by_name = {row[0]: row for row in rows}
     raw_eager, raw_jit = by_name["raw JAX"][1], by_name["raw JAX"][2]
-    print(f"\n{DEPTH}-layer MLP, width {WIDTH}, batch {BATCH}; microseconds per call (best of rounds)")
+    print(
+        f"\n{DEPTH}-layer MLP, width {WIDTH}, batch {BATCH}; microseconds per call (best of rounds)"
+    )
     print(f"jax {jax.__version__}, backend {jax.default_backend()}")
     header = f"{'':32s} {'eager':>9s} {'x raw':>7s}   {'jitted':>8s} {'x raw':>7s}  jit via"
     print(header)

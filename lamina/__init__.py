@@ -16,6 +16,7 @@ Example:
     (1, 2)
 """
 
+from . import data as data
 from . import initializers as initializers
 from . import utils as utils
 from ._core.errors import FrozenModuleError as FrozenModuleError
@@ -34,6 +35,29 @@ from ._core.variables import Cache as Cache
 from ._core.variables import Parameter as Parameter
 from ._core.variables import State as State
 from .activations import *  # noqa: F403 - the activation functions, flat
+from .model_summary import Summary as Summary
+from .model_summary import summary as summary
+from .nn import RNN as RNN
+from .nn import BatchNorm as BatchNorm
+from .nn import Conv as Conv
+from .nn import ConvTranspose as ConvTranspose
 from .nn import Dense as Dense
+from .nn import Dropout as Dropout
+from .nn import Embed as Embed
+from .nn import GroupNorm as GroupNorm
+from .nn import GRUCell as GRUCell
+from .nn import LayerNorm as LayerNorm
+from .nn import LSTMCell as LSTMCell
+from .nn import MultiHeadAttention as MultiHeadAttention
+from .nn import RMSNorm as RMSNorm
+from .nn import Sequential as Sequential
+from .nn import avg_pool as avg_pool
+from .nn import combine_masks as combine_masks
+from .nn import dot_product_attention as dot_product_attention
+from .nn import dropout as dropout
+from .nn import make_attention_mask as make_attention_mask
+from .nn import make_causal_mask as make_causal_mask
+from .nn import max_pool as max_pool
+from .nn import min_pool as min_pool
 
 __version__ = "0.1.0"

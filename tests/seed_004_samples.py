@@ -252,4 +252,154 @@ mx.next_rng_key()         # デフォルトのキーを使用
 mx.next_rng_key("foo")    # foo という名前のキーがないので、デフォルトのキーを使用
 """,
     ),
+    (
+        "mnist",
+        '''
+import itertools
+
+import jax
+import jax.random as jr
+import metoryx as mx
+import optax
+
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+
+# ハイパーパラメータ
+random_seed = 42
+num_epochs = 10
+batch_size = 64
+
+# MNIST のメタデータ
+num_images = 60000
+num_steps_per_epoch = num_images // batch_size
+
+# Tensorflow の乱数シードを設定
+tf.random.set_seed(random_seed)
+
+
+# MNIST データセットを読み込むための関数
+def get_dataset(num_epochs, batch_size, split):
+    ds = tfds.load("mnist", split=split)
+    ds = ds.map(
+        lambda item: {
+            "image": tf.cast(item["image"], tf.float32) / 255.0,
+            "label": item["label"],
+        }
+    )
+    ds = ds.repeat(num_epochs)
+    if split == "train":
+        ds = ds.shuffle(1024)
+    ds = ds.batch(batch_size, drop_remainder=(split == "train"))
+    ds = ds.prefetch(1)
+    return ds
+
+
+# モデルの定義
+class ConvNet(mx.Module):
+    """A simple CNN for MNIST classification."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = mx.Conv(1, 32, kernel_size=(3, 3), strides=(1, 1), padding="SAME")
+        self.conv2 = mx.Conv(32, 64, kernel_size=(3, 3), strides=(1, 1), padding="SAME")
+        self.fc1 = mx.Dense(7 * 7 * 64, 128)
+        self.fc2 = mx.Dense(128, 10)
+
+    def __call__(self, x, is_training):
+        x = self.conv1(
+            x
+        )  # Input shape is expected to be (batch, height, width, channels)
+        x = mx.relu(x)
+        x = mx.max_pool(x, kernel_size=(2, 2), strides=(2, 2))
+        x = self.conv2(x)
+        x = mx.relu(x)
+        x = mx.max_pool(x, kernel_size=(2, 2), strides=(2, 2))
+        x = x.reshape((x.shape[0], -1))  # Flatten
+        x = mx.dropout(x, rate=0.5, is_training=is_training)
+        x = self.fc1(x)
+        x = mx.relu(x)
+        return self.fc2(x)
+
+
+# モデルのインスタンス化と Module Transformation の実行
+net = ConvNet()
+init, apply = mx.transform(net)
+
+
+# 学習ステップと評価ステップの定義
+# JIT コンパイルを適用して高速化
+@jax.jit
+def train_step(rng, params, state, opt_state, batch):
+    def loss_fn(params):
+        variables = {"params": params, **state}
+        logits, new_state = apply(variables, rng, batch["image"], is_training=True)
+        new_state.pop("params")
+
+        # ロスと精度の計算
+        loss = optax.softmax_cross_entropy_with_integer_labels(
+            logits=logits, labels=batch["label"]
+        ).mean()
+        accuracy = (logits.argmax(axis=-1) == batch["label"]).mean()
+        log_dict = {"loss": loss, "accuracy": accuracy}
+
+        return loss, (new_state, log_dict)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (_, (new_state, log_dict)), grads = grad_fn(params)
+
+    # パラメータの更新
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    return new_params, new_state, new_opt_state, log_dict
+
+
+@jax.jit
+def eval_step(params, state, batch):
+    variables = {"params": params, **state}
+    logits, _ = apply(variables, None, batch["image"], is_training=False)
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+        logits=logits, labels=batch["label"]
+    ).mean()
+    accuracy = (logits.argmax(axis=-1) == batch["label"]).mean()
+    return {"loss": loss, "accuracy": accuracy}
+
+
+# 初期化と学習の準備
+rng = jr.PRNGKey(42)  # Set random seed
+rng, init_rng = jr.split(rng)
+variables = init(init_rng)
+
+# パラメータと状態を分離
+state = variables
+params = state.pop("params")
+
+# Optimizer の設定
+optimizer = optax.sgd(learning_rate=0.01, momentum=0.9)
+opt_state = optimizer.init(params)
+
+# 学習の実行
+train_ds = get_dataset(num_epochs, batch_size, split="train")
+train_iter = iter(train_ds.as_numpy_iterator())
+for epoch in range(num_epochs):
+    # AverageMeter は、メトリクスの平均を計算するユーティリティクラス
+    meter = mx.utils.AverageMeter()
+    for batch in itertools.islice(train_iter, num_steps_per_epoch):
+        rng, rng_apply = jr.split(rng)
+        params, state, opt_state, metrics = train_step(
+            rng_apply, params, state, opt_state, batch
+        )
+        meter.update(metrics, n=len(batch["image"]))
+    print(meter.compute())
+
+# テストの実行
+test_ds = get_dataset(1, batch_size, split="test")
+meter = mx.utils.AverageMeter()
+for batch in test_ds.as_numpy_iterator():
+    metrics = eval_step(params, state, batch)
+    meter.update(metrics, n=len(batch["image"]))
+print("Test:", meter.compute())
+''',
+    ),
 ]

@@ -404,3 +404,30 @@ def test_grouped_init_equals_one_by_one(getkey):
     jax.tree.map(np.testing.assert_array_equal, jitted, grouped)
     ensemble = jax.vmap(init)(jax.random.split(key, 2))
     assert ensemble["params"]["layers"]["5"]["kernel"].shape == (2, 3, 3)
+
+
+def test_copies_share_jax_arrays_and_functions(getkey):
+    """A snapshot shares immutable JAX objects, and copies everything else."""
+    pretrained = jnp.ones((4, 8))
+
+    class Holder(lm.Module):
+        def __init__(self):
+            self.layer = lm.Dense(4, 8)
+            self.layer.kernel.value = pretrained
+            self.activation = lm.relu  # a jitted function
+            self.table = {"fns": [jax.nn.relu], "config": [1, 2]}
+            self.array = np.zeros(3)  # mutable: copied
+
+    model = Holder()
+    import copy
+
+    copied = copy.deepcopy(model)
+    assert copied.layer is not model.layer and copied.layer.kernel is not model.layer.kernel
+    assert copied.layer.kernel.init.array is pretrained
+    assert copied.activation is lm.relu and copied.table["fns"][0] is jax.nn.relu
+    assert copied.table is not model.table and copied.table["config"] == [1, 2]
+    assert copied.array is not model.array
+    model.array[0] = 5.0
+    assert copied.array[0] == 0.0
+    init, _ = lm.transform(model)
+    np.testing.assert_array_equal(init(getkey())["params"]["layer"]["kernel"], pretrained)

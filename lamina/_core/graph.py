@@ -104,6 +104,7 @@ class Plan:
         variables: One `VariableEntry` per variable, in the flatten order of the variables
             dict, so that ``jax.tree_util.tree_leaves(variables)[i]`` belongs to
             ``variables[i]``.
+        declared: The same entries in walk order (the order the model declares them).
         treedef: The tree structure of a valid variables dict.
         shapes: The stored shape of each variable, in the same order.
         index: Position of each variable, by its `VariableEntry.key`.
@@ -128,6 +129,7 @@ class Plan:
             declared.append(VariableEntry(path, node, key))
         order, self.treedef = jax.tree_util.tree_flatten(skeleton)
         self.modules = tuple(modules)
+        self.declared = tuple(declared)
         self.variables = tuple(declared[i] for i in order)
         self.shapes = [entry.state.shape for entry in self.variables]
         self.index = {entry.key: i for i, entry in enumerate(self.variables)}

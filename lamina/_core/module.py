@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .copying import copy_object
 from .errors import FrozenModuleError, format_path
 from .frame import _LOCAL
 
@@ -61,6 +62,9 @@ class Module:
                 f"{format_path(self._lamina_path)}: modules are frozen while init/apply runs."
             )
         object.__delattr__(self, name)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Module:
+        return copy_object(self, memo)
 
     def __repr__(self) -> str:
         return _repr_module(self, indent="", seen=set())

@@ -13,6 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from .copying import copy_object
 from .errors import UnboundVariableError, format_path
 from .frame import _LOCAL, frame_of
 
@@ -76,9 +77,9 @@ class State:
                 f"lm.initializers.zeros(); got {init!r}."
             )
         self.init = init
-        self.dtype = _as_dtype(dtype, kind, "dtype")
+        self.dtype = as_dtype(dtype, kind, "dtype")
         self.param_dtype = (
-            self.dtype if param_dtype is None else _as_dtype(param_dtype, kind, "param_dtype")
+            self.dtype if param_dtype is None else as_dtype(param_dtype, kind, "param_dtype")
         )
         self.mutable = bool(mutable)
         self.tags = (tags,) if isinstance(tags, str) else tuple(tags)
@@ -140,6 +141,9 @@ class State:
         if name.startswith("_") or self._lamina_plan is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.value, name)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> State:
+        return copy_object(self, memo)
 
     def __jax_array__(self) -> Any:
         return self.value
@@ -311,6 +315,9 @@ class Assigned:
     def __init__(self, array: Any):
         self.array = array
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Assigned:
+        return copy_object(self, memo)  # a JAX array is shared, a NumPy array copied
+
     def __call__(self, key: Any, shape: Sequence[int], dtype: Any = jnp.float32) -> Any:
         del key, shape
         return jnp.asarray(self.array, dtype=dtype)
@@ -338,7 +345,8 @@ def _as_shape(shape: Any, kind: str) -> Shape:
     return tuple(int(d) for d in dims)
 
 
-def _as_dtype(dtype: Any, kind: str, name: str) -> np.dtype:
+def as_dtype(dtype: Any, kind: str, name: str) -> np.dtype:
+    """Returns `dtype` as a NumPy dtype, or raises a `TypeError` naming `kind` and `name`."""
     try:
         return jnp.dtype(dtype)
     except TypeError:

@@ -1,4 +1,4 @@
-"""Linear layers: `Dense`."""
+"""Linear layers: `Dense`, and `Embed` (a lookup table that can also act as a tied output layer)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from jax import lax
 from .. import initializers
 from .._core.module import Module
 from .._core.variables import Initializer, Parameter
+from . import _checks
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "precision"))
@@ -87,5 +88,92 @@ class Dense(Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the layer to `x` of shape ``(..., in_size)``."""
+        _checks.check_last_axis(self._describe, x, self.in_size, "in_size")
         bias = self.bias.value if self.bias is not None else None
         return dense(x, self.kernel.value, bias, self.kernel.dtype, self.precision)
+
+    def _describe(self) -> str:
+        return f"Dense(in_size={self.in_size}, out_size={self.out_size})"
+
+
+@jax.jit
+def embed_lookup(embedding: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows of `embedding` for the integer `ids` (any shape)."""
+    return jnp.take(embedding, ids, axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "precision"))
+def embed_attend(
+    query: jax.Array, embedding: jax.Array, dtype: Any, precision: Any = None
+) -> jax.Array:
+    """``query @ embedding.T``: similarity of each query vector to every embedding."""
+    query = jnp.asarray(query, dtype)
+    return lax.dot_general(
+        query, embedding, (((query.ndim - 1,), (1,)), ((), ())), precision=precision
+    )
+
+
+class Embed(Module):
+    """A lookup table of `num_embeddings` vectors of size `features`.
+
+    ``embed(ids)`` returns the rows for integer `ids`; ``embed.attend(x)`` multiplies by the
+    transposed table, the output layer of a model whose input and output embeddings are tied.
+    The variable is Flax Linen's: ``embedding`` of shape ``(num_embeddings, features)``.
+
+    Args:
+        num_embeddings: Number of rows (the vocabulary size).
+        features: Size of each vector.
+        embedding_init: Initializer of the table (Linen's default: normal, variance 1/features).
+        dtype: Compute dtype of the returned vectors.
+        param_dtype: Storage dtype of the table (default: `dtype`).
+        precision: `jax.lax.Precision` of `attend`'s matrix product.
+        embedding_sharding: Logical axis names of the table, e.g. ``("vocab", "embed")``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> init, apply = lm.transform(lm.Embed(100, 8))
+        >>> variables = init(jax.random.key(0))
+        >>> apply(variables, None, jnp.array([[1, 2, 3]]))[0].shape
+        (1, 3, 8)
+        >>> attend = lm.transform(lm.Embed(100, 8), to_callable=lambda m: m.attend).apply
+        >>> attend(variables, None, jnp.ones((2, 8)))[0].shape
+        (2, 100)
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        features: int,
+        embedding_init: Initializer = initializers.variance_scaling(
+            1.0, "fan_in", "normal", out_axis=0
+        ),
+        dtype: Any = jnp.float32,
+        param_dtype: Any = None,
+        precision: Any = None,
+        embedding_sharding: Sequence[str | None] | None = None,
+    ):
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.features = features
+        self.precision = precision
+        self.embedding = Parameter(
+            (num_embeddings, features),
+            embedding_init,
+            dtype,
+            param_dtype,
+            sharding=embedding_sharding,
+        )
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """Looks up integer `ids` of any shape; returns ``ids.shape + (features,)``."""
+        if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+            raise TypeError(
+                f"Embed takes integer ids, got dtype {jnp.result_type(ids)}; convert with "
+                f"ids.astype(jnp.int32) (for vectors, use embed.attend(x))."
+            )
+        return embed_lookup(self.embedding.value, ids)
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        """Returns ``query @ embedding.T`` for `query` of shape ``(..., features)``."""
+        _checks.check_last_axis("Embed.attend", query, self.features, "features", what="a query")
+        return embed_attend(query, self.embedding.value, self.embedding.dtype, self.precision)

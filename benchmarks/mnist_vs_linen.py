@@ -1,0 +1,140 @@
+"""The seed's ConvNet trained by lamina and by Flax Linen on the same batches, in one run.
+
+Both start from the same weights (lamina's `init`, loaded into Linen unchanged: the layouts
+are the same), see the same batches in the same order, and use the same optimiser; only the
+dropout masks differ (each library draws its own). Epochs alternate between the two, so drift
+in the machine's speed hits both alike. Prints test accuracy and time per step.
+
+    python benchmarks/mnist_vs_linen.py                 # default data (Fashion-MNIST/digits)
+    python benchmarks/mnist_vs_linen.py --epochs 2 --limit 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.random as jr
+import numpy as np
+import optax
+
+import lamina as lm
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+from mnist import ConvNet, make_steps
+
+
+class LinenConvNet(nn.Module):
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x, is_training):
+        x = nn.relu(nn.Conv(32, (3, 3), padding="SAME", name="conv1")(x))
+        x = nn.max_pool(x, (2, 2), (2, 2))
+        x = nn.relu(nn.Conv(64, (3, 3), padding="SAME", name="conv2")(x))
+        x = nn.max_pool(x, (2, 2), (2, 2))
+        x = x.reshape((x.shape[0], -1))
+        x = nn.Dropout(0.5, deterministic=not is_training)(x)
+        x = nn.relu(nn.Dense(128, name="fc1")(x))
+        return nn.Dense(self.num_classes, name="fc2")(x)
+
+
+def linen_steps(model, optimizer):
+    def loss_and_metrics(params, rng, batch):
+        logits = model.apply({"params": params}, batch["image"], True, rngs={"dropout": rng})
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return loss, {"loss": loss, "accuracy": (logits.argmax(-1) == batch["label"]).mean()}
+
+    @jax.jit
+    def train_step(rng, params, state, opt_state, batch):
+        (_, metrics), grads = jax.value_and_grad(loss_and_metrics, has_aux=True)(params, rng, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), state, opt_state, metrics
+
+    @jax.jit
+    def eval_step(params, state, batch):
+        logits = model.apply({"params": params}, batch["image"], False)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return {"loss": loss, "accuracy": (logits.argmax(-1) == batch["label"]).mean()}
+
+    return train_step, eval_step
+
+
+def run_epoch(train_step, carry, batches, rng):
+    params, state, opt_state = carry
+    start = time.perf_counter()
+    for batch in batches:
+        rng, key = jr.split(rng)
+        params, state, opt_state, _ = train_step(key, params, state, opt_state, batch)
+    jax.block_until_ready(params)
+    return (params, state, opt_state), (time.perf_counter() - start) / len(batches), rng
+
+
+def evaluate(eval_step, params, state, data, batch_size):
+    meter = lm.utils.AverageMeter()
+    for batch in lm.data.batches(data, batch_size, drop_remainder=False):
+        meter.update(eval_step(params, state, batch), n=len(batch["label"]))
+    return meter.compute()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--limit", type=int)
+    parser.add_argument("--batch-size", type=int, default=64)
+    args = parser.parse_args()
+
+    data = (
+        lm.data.load_idx_folder(args.data_dir) if args.data_dir else lm.data.load_default_images()
+    )
+    train = {k: v[: args.limit] for k, v in data.train.items()} if args.limit else data.train
+    shape = train["image"].shape[1:]
+    net = ConvNet(shape[:2], shape[2], data.num_classes)
+    init, apply = lm.transform(net)
+    variables = init(jr.PRNGKey(0))
+    optimizer = optax.sgd(0.01, momentum=0.9)
+    steps = {
+        "lamina": make_steps(apply, optimizer),
+        "Flax Linen": linen_steps(LinenConvNet(data.num_classes), optimizer),
+    }
+    params = variables["params"]
+    carries = {name: (params, {}, optimizer.init(params)) for name in steps}
+    rngs = {name: jr.PRNGKey(1) for name in steps}
+    step_times = {name: [] for name in steps}
+    order = np.random.default_rng(0)
+    print(
+        f"{data.name}: {len(train['label']):,} training images, batch {args.batch_size}, "
+        f"{args.epochs} epochs; jax {jax.__version__} on {jax.default_backend()}"
+    )
+    for epoch in range(args.epochs):
+        batches = list(lm.data.batches(train, args.batch_size, rng=order))
+        for name, (train_step, _) in steps.items():
+            carries[name], per_step, rngs[name] = run_epoch(
+                train_step, carries[name], batches, rngs[name]
+            )
+            step_times[name].append(per_step)
+        print(
+            f"epoch {epoch + 1}: "
+            + ", ".join(f"{name} {1000 * step_times[name][-1]:.2f} ms/step" for name in steps)
+        )
+
+    print(f"\n{'':12s} {'test acc':>9s} {'test loss':>10s} {'ms/step':>8s} {'x Linen':>8s}")
+    measured = {name: statistics.median(t[1:] or t) for name, t in step_times.items()}
+    for name, (_, eval_step) in steps.items():
+        params, state, _ = carries[name]
+        result = evaluate(eval_step, params, state, data.test, 256)
+        print(
+            f"{name:12s} {result['accuracy']:9.4f} {result['loss']:10.4f} "
+            f"{1000 * measured[name]:8.2f} {measured[name] / measured['Flax Linen']:8.3f}"
+        )
+    print("(ms/step: median over epochs after the first, which includes compilation)")
+
+
+if __name__ == "__main__":
+    main()

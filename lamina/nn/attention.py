@@ -1,0 +1,319 @@
+"""Attention functions: `dot_product_attention` and the masks it takes.
+
+The numerics and layouts are Flax Linen's (`dot_product_attention`, `make_attention_mask`,
+`make_causal_mask`, `combine_masks`). `MultiHeadAttention` projects its inputs to heads and
+calls the same kernel, `attention_kernel`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._core.rng import next_rng_key
+from . import _checks
+
+__all__ = [
+    "combine_masks",
+    "dot_product_attention",
+    "make_attention_mask",
+    "make_causal_mask",
+]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "dropout_rate",
+        "broadcast_dropout",
+        "dtype",
+        "precision",
+        "force_fp32_for_softmax",
+    ),
+)
+def attention_kernel(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    dropout_rng: jax.Array | None,
+    dropout_rate: float,
+    broadcast_dropout: bool,
+    dtype: Any,
+    precision: Any,
+    force_fp32_for_softmax: bool,
+) -> jax.Array:
+    """Linen's ``dot_product_attention`` of projected heads; dropout when `dropout_rng` is given.
+
+    The kernel of `dot_product_attention` and of `MultiHeadAttention`.
+    """
+    query, key, value = (jnp.asarray(a, dtype) for a in (query, key, value))
+    depth = query.shape[-1]
+    query = query / jnp.sqrt(jnp.asarray(depth, jnp.float32)).astype(dtype)
+    weights = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
+    if bias is not None:
+        weights = weights + jnp.broadcast_to(jnp.asarray(bias, dtype), weights.shape)
+    if mask is not None:
+        mask = jnp.broadcast_to(mask, weights.shape)
+        weights = jnp.where(mask, weights, jnp.finfo(dtype).min)
+    if force_fp32_for_softmax and dtype != jnp.float32:
+        weights = jax.nn.softmax(weights.astype(jnp.float32))
+    else:
+        weights = jax.nn.softmax(weights).astype(dtype)
+    if dropout_rng is not None and dropout_rate > 0.0:
+        keep_prob = 1.0 - dropout_rate
+        if broadcast_dropout:  # one mask for every batch element and head, as Linen
+            shape = (1,) * (key.ndim - 2) + weights.shape[-2:]
+        else:
+            shape = weights.shape
+        keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+        multiplier = keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype)
+        weights = weights * multiplier.astype(weights.dtype)
+    # With force_fp32_for_softmax the weights stay float32 and so does the product (Linen's
+    # promotion); the output projection casts back to the compute dtype.
+    value = value.astype(weights.dtype)
+    return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
+
+
+@functools.partial(jax.jit, static_argnames=("pairwise_fn", "extra_batch_dims", "dtype"))
+def _attention_mask(
+    query_input: jax.Array,
+    key_input: jax.Array,
+    pairwise_fn: Callable[..., Any],
+    extra_batch_dims: int,
+    dtype: Any,
+) -> jax.Array:
+    mask = pairwise_fn(jnp.expand_dims(query_input, axis=-1), jnp.expand_dims(key_input, axis=-2))
+    mask = jnp.expand_dims(mask, axis=-3)
+    mask = jnp.expand_dims(mask, axis=tuple(range(extra_batch_dims)))
+    return mask.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _combine_masks(masks: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
+    mask = masks[0]
+    for other in masks[1:]:
+        mask = jnp.logical_and(mask, other)
+    return mask.astype(dtype)
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    is_training: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_rng: Any = None,
+    broadcast_dropout: bool = True,
+    dtype: Any = None,
+    precision: Any = None,
+    force_fp32_for_softmax: bool = False,
+) -> jax.Array:
+    """Scaled dot-product attention of heads already projected (Flax Linen's numerics).
+
+    ``softmax(query @ key / sqrt(depth) + bias, masked) @ value`` per head: attention weights
+    of shape ``(batch..., heads, q_length, kv_length)``, where the mask is False (zero) are
+    set to the dtype's lowest value before the softmax.
+
+    Args:
+        query: ``(batch..., q_length, num_heads, depth)``.
+        key: ``(batch..., kv_length, num_heads, depth)``.
+        value: ``(batch..., kv_length, num_heads, v_depth)``.
+        mask: Broadcastable to ``(batch..., num_heads, q_length, kv_length)``; attention is
+            kept where it is True (nonzero), as Linen's masks (`make_attention_mask`).
+        bias: Added to the attention logits; broadcastable like `mask`.
+        is_training: Apply dropout to the attention weights (a Python bool).
+        dropout_rate: Probability of dropping an attention weight, in ``[0, 1)``.
+        dropout_rng: Key for dropout; default ``lm.next_rng_key("dropout")`` (inside a call).
+        broadcast_dropout: One dropout mask for all batch elements and heads (Linen's default).
+        dtype: Compute dtype; default: the dtype of `query`, `key` and `value`.
+        precision: `jax.lax.Precision` of the two products.
+        force_fp32_for_softmax: Compute the softmax (and the weighted sum) in float32 when
+            `dtype` is lower, as Linen; the result is then float32.
+
+    Returns:
+        ``(batch..., q_length, num_heads, v_depth)``.
+
+    Raises:
+        ValueError: Shapes that do not fit together, a mask or bias that does not broadcast,
+            a dropout rate outside ``[0, 1)``, or a non-floating dtype.
+        TypeError: `is_training` is not a Python bool.
+
+    Example:
+        >>> import jax.numpy as jnp, lamina as lm
+        >>> q = k = v = jnp.ones((2, 5, 4, 8))  # (batch, length, heads, depth)
+        >>> mask = lm.make_causal_mask(jnp.ones((2, 5)))
+        >>> lm.dot_product_attention(q, k, v, mask=mask).shape
+        (2, 5, 4, 8)
+    """
+    where = "dot_product_attention"
+    _checks.python_bool(where, is_training=is_training)
+    _checks.non_negative(where, "dropout_rate", dropout_rate, below=1.0)
+    q_shape, k_shape, v_shape = jnp.shape(query), jnp.shape(key), jnp.shape(value)
+    _check_heads(q_shape, k_shape, v_shape)
+    weights_shape = (*q_shape[:-3], q_shape[-2], q_shape[-3], k_shape[-3])
+    if mask is not None:
+        check_broadcast(where, "mask", jnp.shape(mask), weights_shape)
+    if bias is not None:
+        check_broadcast(where, "bias", jnp.shape(bias), weights_shape)
+    if dtype is None:
+        dtype = jnp.result_type(query, key, value)
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"{where}: the compute dtype must be floating, got {dtype}; pass "
+            f"floating inputs or dtype=jnp.float32."
+        )
+    rng = None
+    if is_training and dropout_rate > 0.0:
+        rng = next_rng_key("dropout") if dropout_rng is None else dropout_rng
+    return attention_kernel(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        rng,
+        0.0 if rng is None else float(dropout_rate),  # one compiled program when not training
+        bool(broadcast_dropout),
+        dtype,
+        precision,
+        bool(force_fp32_for_softmax),
+    )
+
+
+def make_attention_mask(
+    query_input: jax.Array,
+    key_input: jax.Array,
+    pairwise_fn: Callable[..., Any] = jnp.multiply,
+    extra_batch_dims: int = 0,
+    dtype: Any = jnp.float32,
+) -> jax.Array:
+    """A mask of every query position against every key position, as Linen's.
+
+    ``mask[..., 0, i, j] = pairwise_fn(query_input[..., i], key_input[..., j])``. With the
+    default `pairwise_fn` and 0/1 (or bool) validity flags, it keeps the pairs whose query and
+    key are both valid: a padding mask.
+
+    Args:
+        query_input: ``(batch..., q_length)``.
+        key_input: ``(batch..., kv_length)``.
+        pairwise_fn: Broadcasting elementwise function of the two.
+        extra_batch_dims: Leading singleton axes to add.
+        dtype: Dtype of the mask (Linen's default, float32; any dtype works as a mask).
+
+    Returns:
+        ``(1,) * extra_batch_dims + (batch..., 1, q_length, kv_length)``.
+
+    Example:
+        >>> import jax.numpy as jnp, lamina as lm
+        >>> valid = jnp.array([[1, 1, 0]])
+        >>> lm.make_attention_mask(valid, valid)[0, 0]
+        Array([[1., 1., 0.],
+               [1., 1., 0.],
+               [0., 0., 0.]], dtype=float32)
+    """
+    return _attention_mask(query_input, key_input, pairwise_fn, int(extra_batch_dims), dtype)
+
+
+def make_causal_mask(
+    x: jax.Array, extra_batch_dims: int = 0, dtype: Any = jnp.float32
+) -> jax.Array:
+    """A causal mask for self-attention over `x`'s last axis, as Linen's.
+
+    Position ``i`` may attend to positions ``j <= i``.
+
+    Args:
+        x: ``(batch..., length)``; only its shape is used.
+        extra_batch_dims: Leading singleton axes to add.
+        dtype: Dtype of the mask (Linen's default, float32).
+
+    Returns:
+        ``(1,) * extra_batch_dims + (batch..., 1, length, length)``.
+
+    Example:
+        >>> import jax.numpy as jnp, lamina as lm
+        >>> lm.make_causal_mask(jnp.ones((1, 3)), dtype=jnp.bool_)[0, 0]
+        Array([[ True, False, False],
+               [ True,  True, False],
+               [ True,  True,  True]], dtype=bool)
+    """
+    shape = jnp.shape(x)
+    idxs = jnp.broadcast_to(jnp.arange(shape[-1], dtype=jnp.int32), shape)
+    return _attention_mask(idxs, idxs, jnp.greater_equal, int(extra_batch_dims), dtype)
+
+
+def combine_masks(*masks: jax.Array | None, dtype: Any = jnp.float32) -> jax.Array | None:
+    """The logical AND of the masks that are not None, as Linen's.
+
+    Args:
+        *masks: Masks of the same rank (or None, ignored).
+        dtype: Dtype of the result.
+
+    Returns:
+        The combined mask, or None when every mask is None.
+
+    Raises:
+        ValueError: The masks have different ranks.
+
+    Example:
+        >>> import jax.numpy as jnp, lamina as lm
+        >>> valid = jnp.array([[1, 1, 0]])
+        >>> padding = lm.make_attention_mask(valid, valid)
+        >>> mask = lm.combine_masks(padding, lm.make_causal_mask(valid))
+        >>> mask[0, 0]
+        Array([[1., 0., 0.],
+               [1., 1., 0.],
+               [0., 0., 0.]], dtype=float32)
+    """
+    present = tuple(m for m in masks if m is not None)
+    if not present:
+        return None
+    ranks = tuple(jnp.ndim(m) for m in present)
+    if len(set(ranks)) > 1:
+        raise ValueError(
+            f"combine_masks: the masks must have the same rank, got shapes "
+            f"{', '.join(str(jnp.shape(m)) for m in present)}."
+        )
+    return _combine_masks(present, dtype)
+
+
+def _check_heads(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) -> None:
+    where = "dot_product_attention"
+    shapes = f"query {q}, key {k}, value {v}"
+    if not len(q) == len(k) == len(v) or len(q) < 3:
+        raise ValueError(
+            f"{where}: query, key and value must have the same rank, at least 3 "
+            f"(batch..., length, num_heads, depth); got {shapes}."
+        )
+    if not q[:-3] == k[:-3] == v[:-3]:
+        raise ValueError(f"{where}: query, key and value must have the same batch axes; {shapes}.")
+    if not q[-2] == k[-2] == v[-2]:
+        raise ValueError(f"{where}: query, key and value must have the same num_heads; {shapes}.")
+    if q[-1] != k[-1]:
+        raise ValueError(f"{where}: query and key must have the same depth (last axis); {shapes}.")
+    if k[-3] != v[-3]:
+        raise ValueError(f"{where}: key and value must have the same length (axis -3); {shapes}.")
+
+
+def check_broadcast(where: str, what: str, shape: tuple[int, ...], target: tuple[int, ...]) -> None:
+    """Raises unless a mask or bias of `shape` broadcasts to the attention weights' `target`."""
+    shape = tuple(shape)
+    fits = len(shape) <= len(target) and all(
+        s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False)
+    )
+    if not fits:
+        raise ValueError(
+            f"{where}: {what} of shape {shape} does not broadcast to the attention weights' "
+            f"shape (batch..., num_heads, q_length, kv_length) = {target}; each of its axes "
+            f"must be 1 or equal to the weights' (e.g. make_attention_mask gives "
+            f"(batch, 1, q_length, kv_length))."
+        )

@@ -1,0 +1,425 @@
+"""Recurrent cells: `LSTMCell` and `GRUCell`, one time step each, equal to Flax Linen's.
+
+The cells hold Linen's variables (one `Dense` per gate and source, named as Linen names
+them), so Linen's variables load directly. A cell computes one time step,
+``cell(carry, x) -> (new_carry, y)``; `RNN` runs it over a sequence.
+
+A step's arithmetic is a compiled kernel, `lstm_step` or `gru_step`. `compiled_step` hands
+it to `RNN` with the cell's variables, so that the whole scan is one compiled function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import initializers
+from .._core.module import Module
+from .._core.variables import Initializer
+from ..activations import sigmoid, tanh
+from . import _checks
+from .linear import Dense, dense
+
+Carry = Any
+
+_LSTM_GATES = ("i", "f", "g", "o")
+_GRU_GATES = ("r", "z", "n")
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "gate_fn", "activation_fn"))
+def lstm_step(
+    carry: tuple[jax.Array, jax.Array],
+    x: jax.Array,
+    weights: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], tuple[jax.Array, ...]],
+    dtype: Any,
+    gate_fn: Callable[..., Any],
+    activation_fn: Callable[..., Any],
+) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """One LSTM step, as Flax Linen's `LSTMCell` computes it: ``((c', h'), h')``.
+
+    `weights` is ``(input_kernels, hidden_kernels, hidden_biases)``, each a tuple over the
+    gates ``i, f, g, o``. Each gate is ``dense(x, W_i?) + dense(h, W_h?, b_h?)`` computed in
+    `dtype`; the cell update is computed in the carry's dtype (Linen's result under standard
+    promotion when the carry is float32 and `dtype` bfloat16), so the carry keeps its dtype.
+    """
+    c, h = carry
+    z = [
+        dense(x, wi, None, dtype) + dense(h, wh, bh, dtype)
+        for wi, wh, bh in zip(*weights, strict=True)
+    ]
+    i, f, g, o = gate_fn(z[0]), gate_fn(z[1]), activation_fn(z[2]), gate_fn(z[3])
+    cdt = c.dtype
+    new_c = f.astype(cdt) * c + (i * g).astype(cdt)
+    new_h = (o.astype(cdt) * activation_fn(new_c)).astype(h.dtype)
+    return (new_c, new_h), new_h
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "gate_fn", "activation_fn"))
+def gru_step(
+    carry: jax.Array,
+    x: jax.Array,
+    weights: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], tuple[jax.Array, ...], jax.Array],
+    dtype: Any,
+    gate_fn: Callable[..., Any],
+    activation_fn: Callable[..., Any],
+) -> tuple[jax.Array, jax.Array]:
+    """One GRU step, as Flax Linen's `GRUCell` computes it: ``(h', h')``.
+
+    `weights` is ``(input_kernels, input_biases, hidden_kernels, hidden_bias_n)``, the tuples
+    over the gates ``r, z, n``: the input transforms carry the biases, and of the hidden ones
+    only ``n``'s (it is gated by ``r`` before the sum). The interpolation
+    ``(1 - z) * n + z * h`` is computed in the carry's dtype.
+    """
+    h = carry
+    (w_ir, w_iz, w_in), (b_ir, b_iz, b_in), (w_hr, w_hz, w_hn), b_hn = weights
+    r = gate_fn(dense(x, w_ir, b_ir, dtype) + dense(h, w_hr, None, dtype))
+    z = gate_fn(dense(x, w_iz, b_iz, dtype) + dense(h, w_hz, None, dtype))
+    n = activation_fn(dense(x, w_in, b_in, dtype) + r * dense(h, w_hn, b_hn, dtype))
+    hdt = h.dtype
+    new_h = ((1.0 - z) * n).astype(hdt) + z.astype(hdt) * h
+    return new_h, new_h
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    """A cell's step as a hashable static argument: ``step(weights, carry, x)``."""
+
+    fn: Callable[..., Any]  # lstm_step or gru_step
+    settings: tuple[tuple[str, Any], ...]
+
+    def __call__(self, weights: Any, carry: Carry, x: jax.Array) -> tuple[Carry, Any]:
+        return self.fn(carry, x, weights, **dict(self.settings))
+
+
+def _batch_shape(cls: str, batch_shape: Any) -> tuple[int, ...]:
+    if _checks.is_int(batch_shape):
+        batch_shape = (batch_shape,)
+    try:
+        dims = tuple(batch_shape)
+    except TypeError:
+        dims = None
+    if dims is None or not all(_checks.is_int(d) and d >= 0 for d in dims):
+        raise TypeError(
+            f"{cls}.initialize_carry takes the batch shape (a tuple of non-negative ints, "
+            f"without the feature axis), got {batch_shape!r}; e.g. initialize_carry((32,)) "
+            f"for inputs of shape (32, in_features)."
+        )
+    return tuple(int(d) for d in dims)
+
+
+def tree_shapes(tree: Any) -> Any:
+    """The shapes of the arrays of a carry (a pytree), in its structure."""
+    return jax.tree.map(lambda a: tuple(jnp.shape(a)), tree)
+
+
+class _Cell(Module):
+    """What `LSTMCell` and `GRUCell` share: settings, gate layers, checks and the call."""
+
+    num_feature_axes = 1  # the trailing axes that are features, not batch (as Linen's)
+    _gates: tuple[str, ...] = ()
+    _carry_doc = "h"
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        gate_fn: Callable[..., Any],
+        activation_fn: Callable[..., Any],
+        dtype: Any,
+        param_dtype: Any,
+    ):
+        super().__init__()
+        cls = type(self).__name__
+        self.in_features = _checks.positive_int(cls, "in_features", in_features)
+        self.hidden_features = _checks.positive_int(cls, "hidden_features", hidden_features)
+        for name, fn in (("gate_fn", gate_fn), ("activation_fn", activation_fn)):
+            if not callable(fn):
+                raise TypeError(f"{cls}: {name} must be a function such as lm.sigmoid, got {fn!r}.")
+        # Passed to the compiled step as static arguments: `transform`'s copy of the cell
+        # shares JAX's functions (`lm.sigmoid`, `jnp.tanh`), so every copy hits its cache.
+        self.gate_fn = gate_fn
+        self.activation_fn = activation_fn
+        self.dtype = _checks.as_dtype(cls, "dtype", dtype)
+        self.param_dtype = (
+            self.dtype if param_dtype is None else _checks.as_dtype(cls, "param_dtype", param_dtype)
+        )
+
+    def _dense_per_gate(
+        self,
+        source: str,
+        kernel_init: Initializer,
+        bias_init: Initializer,
+        dtype: Any,
+        param_dtype: Any,
+        biased: tuple[str, ...],
+    ) -> None:
+        """Declares one `Dense` per gate from `source`, named ``source + gate`` as in Linen.
+
+        `source` is ``"i"`` (from the input) or ``"h"`` (from the hidden state); the gates in
+        `biased` have a bias. The names include Python keywords (``if``, ``in``), so they are
+        set and read by name.
+        """
+        size = self.in_features if source == "i" else self.hidden_features
+        for gate in self._gates:
+            layer = Dense(
+                size,
+                self.hidden_features,
+                use_bias=gate in biased,
+                kernel_init=kernel_init,
+                bias_init=bias_init,
+                dtype=dtype,
+                param_dtype=param_dtype,
+            )
+            setattr(self, f"{source}{gate}", layer)
+
+    def _settings(self) -> tuple[tuple[str, Any], ...]:
+        return (
+            ("dtype", self.dtype),
+            ("gate_fn", self.gate_fn),
+            ("activation_fn", self.activation_fn),
+        )
+
+    def _describe(self) -> str:
+        return (
+            f"{type(self).__name__}(in_features={self.in_features}, "
+            f"hidden_features={self.hidden_features})"
+        )
+
+    def _zeros(self, batch_shape: Any) -> jax.Array:
+        shape = (*_batch_shape(type(self).__name__, batch_shape), self.hidden_features)
+        return jnp.zeros(shape, self.param_dtype)
+
+    def _carry_shapes(self, batch: tuple[int, ...]) -> Any:
+        raise NotImplementedError
+
+    def _weights(self) -> Any:
+        raise NotImplementedError
+
+    def _kernel(self) -> _Kernel:
+        raise NotImplementedError
+
+    def __call__(self, carry: Carry, x: jax.Array) -> tuple[Carry, jax.Array]:
+        """One step: ``(new_carry, y)`` for the carry and `x` of shape ``(*batch, in_features)``."""
+        shape = _checks.check_last_axis(self._describe, x, self.in_features, "in_features")
+        self._check_carry(carry, shape[:-1])
+        return self._kernel()(self._weights(), carry, x)
+
+    def _check_carry(self, carry: Any, batch: tuple[int, ...]) -> None:
+        expected = self._carry_shapes(batch)
+        got = tree_shapes(carry)
+        if got != expected:
+            raise ValueError(
+                f"{self._describe()} got a carry of shapes {got} for an input with batch shape "
+                f"{batch}; the carry must be {self._carry_doc} with shapes {expected} (the "
+                f"input's batch shape + (hidden_features,)). Create one with "
+                f"cell.initialize_carry({batch})."
+            )
+
+
+class LSTMCell(_Cell):
+    r"""A long short-term memory cell, equal to Flax Linen's `LSTMCell`.
+
+    .. math::
+
+        i = \sigma(W_{ii} x + W_{hi} h + b_{hi}), \quad
+        f = \sigma(W_{if} x + W_{hf} h + b_{hf}), \quad
+        g = \tanh(W_{ig} x + W_{hg} h + b_{hg}), \quad
+        o = \sigma(W_{io} x + W_{ho} h + b_{ho}),
+
+        c' = f c + i g, \qquad h' = o \tanh(c').
+
+    ``cell(carry, x)`` takes the carry ``(c, h)`` and an input of shape
+    ``(*batch, in_features)`` and returns ``((c', h'), h')``. Variables are Linen's: `Dense`
+    submodules ``ii, if, ig, io`` (input to gate: ``kernel`` of shape
+    ``(in_features, hidden_features)``, no bias) and ``hi, hf, hg, ho`` (hidden to gate:
+    ``kernel`` of shape ``(hidden_features, hidden_features)`` and ``bias``).
+
+    The gates are computed in `dtype`; the carry keeps its own dtype (`param_dtype` from
+    `initialize_carry`), so bfloat16 compute with float32 storage keeps ``c`` and ``h`` in
+    float32, as Linen does.
+
+    Args:
+        in_features: Size of the input's last axis.
+        hidden_features: Size of ``c`` and ``h`` (Linen's `features`).
+        gate_fn: Activation of the gates ``i, f, o``.
+        activation_fn: Activation of ``g`` and of the output ``tanh(c')``.
+        kernel_init: Initializer of the input kernels.
+        recurrent_kernel_init: Initializer of the hidden kernels.
+        bias_init: Initializer of the biases.
+        dtype: Compute dtype.
+        param_dtype: Storage dtype of the variables and dtype of `initialize_carry`'s carry
+            (default: `dtype`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> cell = lm.LSTMCell(3, 4)
+        >>> init, apply = lm.transform(cell)
+        >>> variables = init(jax.random.key(0))
+        >>> sorted(variables["params"])
+        ['hf', 'hg', 'hi', 'ho', 'if', 'ig', 'ii', 'io']
+        >>> carry = cell.initialize_carry((2,))  # zeros of shape (2, 4), no key needed
+        >>> (c, h), y = apply(variables, None, carry, jnp.ones((2, 3)))[0]
+        >>> c.shape, y.shape
+        ((2, 4), (2, 4))
+    """
+
+    _gates = _LSTM_GATES
+    _carry_doc = "a tuple (c, h)"
+
+    def _carry_shapes(self, batch: tuple[int, ...]) -> Any:
+        return ((*batch, self.hidden_features),) * 2
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        gate_fn: Callable[..., Any] = sigmoid,
+        activation_fn: Callable[..., Any] = tanh,
+        kernel_init: Initializer = initializers.lecun_normal(),
+        recurrent_kernel_init: Initializer = initializers.orthogonal(),
+        bias_init: Initializer = initializers.zeros(),
+        dtype: Any = jnp.float32,
+        param_dtype: Any = None,
+    ):
+        super().__init__(in_features, hidden_features, gate_fn, activation_fn, dtype, param_dtype)
+        self._dense_per_gate("i", kernel_init, bias_init, dtype, param_dtype, biased=())
+        self._dense_per_gate(
+            "h", recurrent_kernel_init, bias_init, dtype, param_dtype, biased=_LSTM_GATES
+        )
+
+    def initialize_carry(
+        self, batch_shape: Sequence[int] | int = ()
+    ) -> tuple[jax.Array, jax.Array]:
+        """Returns the zero carry ``(c, h)``, each of shape ``(*batch_shape, hidden_features)``.
+
+        Args:
+            batch_shape: The input's shape without its feature axis (``()`` for one example).
+
+        Returns:
+            Two zero arrays of dtype `param_dtype`.
+        """
+        return self._zeros(batch_shape), self._zeros(batch_shape)
+
+    def _weights(self) -> Any:
+        ins = [getattr(self, f"i{g}") for g in self._gates]
+        hid = [getattr(self, f"h{g}") for g in self._gates]
+        return (
+            tuple(d.kernel.value for d in ins),
+            tuple(d.kernel.value for d in hid),
+            tuple(d.bias.value for d in hid),
+        )
+
+    def _kernel(self) -> _Kernel:
+        return _Kernel(lstm_step, self._settings())
+
+
+class GRUCell(_Cell):
+    r"""A gated recurrent unit cell, equal to Flax Linen's `GRUCell`.
+
+    .. math::
+
+        r = \sigma(W_{ir} x + b_{ir} + W_{hr} h), \quad
+        z = \sigma(W_{iz} x + b_{iz} + W_{hz} h),
+
+        n = \tanh(W_{in} x + b_{in} + r (W_{hn} h + b_{hn})), \qquad
+        h' = (1 - z) n + z h.
+
+    ``cell(h, x)`` takes the carry ``h`` and an input of shape ``(*batch, in_features)`` and
+    returns ``(h', h')``. Variables are Linen's: `Dense` submodules ``ir, iz, in`` (input to
+    gate: ``kernel`` of shape ``(in_features, hidden_features)`` and ``bias``), ``hr, hz``
+    (hidden to gate: ``kernel`` only) and ``hn`` (``kernel`` and ``bias``).
+
+    Args:
+        in_features: Size of the input's last axis.
+        hidden_features: Size of ``h`` (Linen's `features`).
+        gate_fn: Activation of the gates ``r, z``.
+        activation_fn: Activation of the candidate ``n``.
+        kernel_init: Initializer of the input kernels.
+        recurrent_kernel_init: Initializer of the hidden kernels.
+        bias_init: Initializer of the biases.
+        dtype: Compute dtype.
+        param_dtype: Storage dtype of the variables and dtype of `initialize_carry`'s carry
+            (default: `dtype`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> cell = lm.GRUCell(3, 4)
+        >>> init, apply = lm.transform(cell)
+        >>> variables = init(jax.random.key(0))
+        >>> sorted(variables["params"]), sorted(variables["params"]["hn"])
+        (['hn', 'hr', 'hz', 'in', 'ir', 'iz'], ['bias', 'kernel'])
+        >>> h, y = apply(variables, None, cell.initialize_carry((2,)), jnp.ones((2, 3)))[0]
+        >>> h.shape
+        (2, 4)
+    """
+
+    _gates = _GRU_GATES
+    _carry_doc = "one array h"
+
+    def _carry_shapes(self, batch: tuple[int, ...]) -> Any:
+        return (*batch, self.hidden_features)
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        gate_fn: Callable[..., Any] = sigmoid,
+        activation_fn: Callable[..., Any] = tanh,
+        kernel_init: Initializer = initializers.lecun_normal(),
+        recurrent_kernel_init: Initializer = initializers.orthogonal(),
+        bias_init: Initializer = initializers.zeros(),
+        dtype: Any = jnp.float32,
+        param_dtype: Any = None,
+    ):
+        super().__init__(in_features, hidden_features, gate_fn, activation_fn, dtype, param_dtype)
+        self._dense_per_gate("i", kernel_init, bias_init, dtype, param_dtype, biased=_GRU_GATES)
+        self._dense_per_gate(
+            "h", recurrent_kernel_init, bias_init, dtype, param_dtype, biased=("n",)
+        )
+
+    def initialize_carry(self, batch_shape: Sequence[int] | int = ()) -> jax.Array:
+        """Returns the zero carry ``h`` of shape ``(*batch_shape, hidden_features)``.
+
+        Args:
+            batch_shape: The input's shape without its feature axis (``()`` for one example).
+
+        Returns:
+            A zero array of dtype `param_dtype`.
+        """
+        return self._zeros(batch_shape)
+
+    def _weights(self) -> Any:
+        ins = [getattr(self, f"i{g}") for g in self._gates]
+        hid = [getattr(self, f"h{g}") for g in self._gates]
+        return (
+            tuple(d.kernel.value for d in ins),
+            tuple(d.bias.value for d in ins),
+            tuple(d.kernel.value for d in hid),
+            self.hn.bias.value,
+        )
+
+    def _kernel(self) -> _Kernel:
+        return _Kernel(gru_step, self._settings())
+
+
+def carry_shapes(cell: Module, batch: tuple[int, ...]) -> Any:
+    """The shapes of the carry that `cell` takes for inputs of batch shape `batch`."""
+    if isinstance(cell, _Cell):
+        return cell._carry_shapes(batch)
+    return tree_shapes(jax.eval_shape(lambda: cell.initialize_carry(batch)))
+
+
+def compiled_step(cell: Module) -> tuple[Any, Callable[..., Any]] | None:
+    """The variables' values and the step of an `LSTMCell` or `GRUCell` (None for other cells).
+
+    Inside a call: the step is a hashable ``step(weights, carry, x)``, for a compiled function
+    to take as a static argument with the weights as an argument.
+    """
+    if isinstance(cell, _Cell):
+        return cell._weights(), cell._kernel()
+    return None

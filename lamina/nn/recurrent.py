@@ -1,0 +1,314 @@
+"""`RNN`: runs a recurrent cell over the time axis of a sequence (`jax.lax.scan`), as Linen's.
+
+No lifted transform is involved and nothing is written inside the loop: for `LSTMCell` and
+`GRUCell`, `RNN` reads the cell's variables once and passes them to one compiled function,
+`rnn_scan` (so an eager call compiles once per configuration, not once per call); any other
+cell is called inside the scan body, which closes over the arrays that the active `apply`
+call has bound to the cell's variables.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._core.module import Module
+from . import _checks
+from .cells import Carry, carry_shapes, compiled_step, tree_shapes
+
+
+@functools.partial(jax.jit, static_argnames=("num_batch_dims", "time_major"))
+def flip_sequences(
+    inputs: jax.Array, seq_lengths: jax.Array | None, num_batch_dims: int, time_major: bool
+) -> jax.Array:
+    """Reverses each sequence along the time axis, keeping padding at the end (as Linen's).
+
+    Without `seq_lengths` the whole time axis is reversed. With them, the first
+    ``seq_lengths[b]`` steps of sequence ``b`` are reversed and the padding after them stays
+    where it is (it is permuted among itself), which is what a backward RNN over padded
+    sequences needs.
+
+    Args:
+        inputs: ``(*batch, time, ...)``, or ``(time, *batch, ...)`` when `time_major`.
+        seq_lengths: Integer lengths of shape ``batch``, or None.
+        num_batch_dims: The number of batch axes.
+        time_major: Whether the time axis comes first.
+
+    Returns:
+        An array of the shape of `inputs`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from lamina.nn.recurrent import flip_sequences
+        >>> x = jnp.array([[1, 0, 0], [2, 3, 0], [4, 5, 6]])
+        >>> flip_sequences(x, jnp.array([1, 2, 3]), num_batch_dims=1, time_major=False)
+        Array([[1, 0, 0],
+               [3, 2, 0],
+               [6, 5, 4]], dtype=int32)
+    """
+    time_axis = 0 if time_major else num_batch_dims
+    if seq_lengths is None:
+        return jnp.flip(inputs, axis=time_axis)
+    steps = inputs.shape[time_axis]
+    lengths = jnp.expand_dims(jnp.asarray(seq_lengths, jnp.int32), time_axis)
+    idxs = jnp.arange(steps - 1, -1, -1, dtype=jnp.int32)
+    if time_major:
+        idxs = jnp.reshape(idxs, (steps,) + (1,) * num_batch_dims)
+    else:
+        idxs = jnp.reshape(idxs, (1,) * num_batch_dims + (steps,))
+    idxs = (idxs + lengths) % steps
+    idxs = jnp.reshape(idxs, idxs.shape + (1,) * (inputs.ndim - idxs.ndim))
+    return jnp.take_along_axis(inputs, idxs, axis=time_axis)
+
+
+@jax.jit
+def _select_carry(valid: jax.Array, new: Carry, old: Carry) -> Carry:
+    """``new`` where `valid` (of the batch shape), else ``old``, for every leaf of a carry."""
+
+    def pick(a: jax.Array, b: jax.Array) -> jax.Array:
+        mask = jnp.reshape(valid, valid.shape + (1,) * (a.ndim - valid.ndim))
+        return jnp.where(mask, a, b)
+
+    return jax.tree.map(pick, new, old)
+
+
+def _scan_sequence(
+    step: Callable[[Carry, jax.Array], tuple[Carry, Any]],
+    carry: Carry,
+    inputs: jax.Array,
+    seq_lengths: jax.Array | None,
+    *,
+    time_major: bool,
+    reverse: bool,
+    keep_order: bool,
+    return_carry: bool,
+    unroll: int | bool,
+    feature_axes: int,
+) -> tuple[Carry, Any]:
+    """Linen's `RNN` over `step`: returns ``(final_carry, outputs)``."""
+    time_axis = 0 if time_major else inputs.ndim - feature_axes - 1
+    num_batch_dims = inputs.ndim - feature_axes - 1
+    if seq_lengths is not None:
+        seq_lengths = seq_lengths.astype(jnp.int32)
+    if reverse:
+        inputs = flip_sequences(inputs, seq_lengths, num_batch_dims, time_major)
+    xs = jnp.moveaxis(inputs, time_axis, 0)
+    if seq_lengths is not None and return_carry:
+        # Keep the running carry (so the outputs are Linen's, padding steps included) and,
+        # beside it, the carry after each sequence's last valid step.
+        def masked_step(state: Any, x_t: Any) -> Any:
+            (run, last), (x, t) = state, x_t
+            run, y = step(run, x)
+            return (run, _select_carry(t < seq_lengths, run, last)), y
+
+        steps = jnp.arange(xs.shape[0], dtype=jnp.int32)
+        (_, carry), ys = lax.scan(masked_step, (carry, carry), (xs, steps), unroll=unroll)
+    else:
+        carry, ys = lax.scan(step, carry, xs, unroll=unroll)
+    outputs = jax.tree.map(lambda y: jnp.moveaxis(y, 0, time_axis), ys)
+    if reverse and keep_order:
+        outputs = jax.tree.map(
+            lambda y: flip_sequences(y, seq_lengths, num_batch_dims, time_major), outputs
+        )
+    return carry, outputs
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("kernel", "time_major", "reverse", "keep_order", "return_carry", "unroll"),
+)
+def rnn_scan(
+    weights: Any,
+    carry: Carry,
+    inputs: jax.Array,
+    seq_lengths: jax.Array | None,
+    kernel: Callable[[Any, Carry, jax.Array], tuple[Carry, Any]],
+    time_major: bool,
+    reverse: bool,
+    keep_order: bool,
+    return_carry: bool,
+    unroll: int | bool,
+) -> tuple[Carry, Any]:
+    """Runs ``kernel(weights, carry, x)`` over the time axis of `inputs`, as Linen's `RNN`.
+
+    Returns ``(final_carry, outputs)``; the final carry is the one after each sequence's
+    last valid step when `seq_lengths` and `return_carry` are given (else after the last
+    step). One compiled function: `RNN` calls it for `LSTMCell` and `GRUCell`.
+    """
+
+    def step(state: Carry, x: jax.Array) -> tuple[Carry, Any]:
+        return kernel(weights, state, x)
+
+    return _scan_sequence(
+        step,
+        carry,
+        inputs,
+        seq_lengths,
+        time_major=time_major,
+        reverse=reverse,
+        keep_order=keep_order,
+        return_carry=return_carry,
+        unroll=unroll,
+        feature_axes=1,
+    )
+
+
+class RNN(Module):
+    """Runs a cell over the time axis of a sequence (`jax.lax.scan`), as Flax Linen's `RNN`.
+
+    ``rnn(inputs)`` takes inputs of shape ``(*batch, time, in_features)`` (``(time, *batch,
+    in_features)`` when `time_major`) and returns the cell's outputs, ``(*batch, time,
+    hidden_features)``, or ``(final_carry, outputs)`` when `return_carry`. The cell's variables
+    live under ``cell``, as in Linen, and are shared by all time steps.
+
+    Variable-length sequences: with ``seq_lengths`` (integers of the batch shape), steps at or
+    after ``seq_lengths[b]`` are padding. The returned carry is the one after each sequence's
+    last valid step (the initial carry for a length of 0). As in Linen, outputs at padding
+    steps are not zeroed: the cell keeps running over the padding and its outputs there are
+    meaningless. With `reverse`, each sequence is reversed within its length and the padding
+    stays at the end (see `flip_sequences`).
+
+    Args:
+        cell: The cell to run: `LSTMCell`, `GRUCell`, or any `Module` with the same protocol
+            (``cell(carry, x) -> (carry, y)`` and ``cell.initialize_carry(batch_shape)``).
+        time_major: Whether the time axis comes first, ``(time, *batch, features)``.
+        reverse: Process each sequence from its end to its start. The outputs come out in
+            processing order (reversed) unless `keep_order`.
+        keep_order: With `reverse`, put the outputs back in the inputs' time order (what a
+            bidirectional RNN needs). Ignored without `reverse`, as in Linen.
+        return_carry: Return ``(final_carry, outputs)`` instead of the outputs alone.
+        unroll: Scan iterations unrolled into one loop iteration (`jax.lax.scan`'s `unroll`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> init, apply = lm.transform(lm.RNN(lm.LSTMCell(3, 8), return_carry=True))
+        >>> variables = init(jax.random.key(0))
+        >>> sorted(variables["params"]["cell"])
+        ['hf', 'hg', 'hi', 'ho', 'if', 'ig', 'ii', 'io']
+        >>> x = jnp.ones((2, 5, 3))  # (batch, time, features)
+        >>> ((c, h), y), _ = apply(variables, None, x, seq_lengths=jnp.array([5, 2]))
+        >>> h.shape, y.shape
+        ((2, 8), (2, 5, 8))
+        >>> bool(jnp.all(h[1] == y[1, 1]))  # the carry after the last valid step
+        True
+    """
+
+    def __init__(
+        self,
+        cell: Module,
+        time_major: bool = False,
+        reverse: bool = False,
+        keep_order: bool = False,
+        return_carry: bool = False,
+        unroll: int | bool = 1,
+    ):
+        super().__init__()
+        if not isinstance(cell, Module) or not callable(getattr(cell, "initialize_carry", None)):
+            raise TypeError(
+                f"RNN's cell must be a cell module such as LSTMCell(in_features, "
+                f"hidden_features): a Module with __call__(carry, x) and "
+                f"initialize_carry(batch_shape); got {type(cell).__name__}."
+            )
+        if not isinstance(unroll, (int, bool)) or (not isinstance(unroll, bool) and unroll < 1):
+            raise ValueError(
+                f"RNN: unroll must be a positive int (or True to unroll the whole loop), "
+                f"got {unroll!r}."
+            )
+        self.cell = cell
+        self.time_major = bool(time_major)
+        self.reverse = bool(reverse)
+        self.keep_order = bool(keep_order)
+        self.return_carry = bool(return_carry)
+        self.unroll = unroll
+
+    def __call__(
+        self,
+        inputs: jax.Array,
+        initial_carry: Carry | None = None,
+        seq_lengths: jax.Array | None = None,
+    ) -> Any:
+        """Runs the cell over `inputs`.
+
+        Args:
+            inputs: ``(*batch, time, *features)``, or ``(time, *batch, *features)`` when
+                `time_major`; the cell's feature axes are last (one for LSTM and GRU cells).
+            initial_carry: The carry before the first step (default:
+                ``cell.initialize_carry(batch_shape)``, zeros).
+            seq_lengths: Integer lengths of shape ``batch``; see the class docstring.
+
+        Returns:
+            The outputs, with the time axis where the inputs have it; with `return_carry`,
+            ``(final_carry, outputs)``.
+        """
+        cell = self.cell
+        inputs = jnp.asarray(inputs)
+        shape = tuple(inputs.shape)
+        feature_axes = getattr(cell, "num_feature_axes", 1)
+        layout = "(time, *batch, *features)" if self.time_major else "(*batch, time, *features)"
+        if inputs.ndim < feature_axes + 1:
+            raise ValueError(
+                f"RNN(time_major={self.time_major}) expects inputs of shape {layout}, with at "
+                f"least {feature_axes + 1} axes (time and {feature_axes} feature axis), got "
+                f"shape {shape}. For one sequence of scalars add a feature axis: x[..., None]."
+            )
+        in_features = getattr(cell, "in_features", None)
+        if in_features is not None:
+            where = f"RNN({type(cell).__name__}(in_features={in_features}))"
+            _checks.check_last_axis(where, inputs, in_features, "in_features", what="inputs")
+        time_axis = 0 if self.time_major else inputs.ndim - feature_axes - 1
+        batch = shape[1 : inputs.ndim - feature_axes] if self.time_major else shape[:time_axis]
+
+        if seq_lengths is not None:
+            seq_lengths = jnp.asarray(seq_lengths)
+            if not jnp.issubdtype(seq_lengths.dtype, jnp.integer):
+                raise TypeError(
+                    f"RNN's seq_lengths must be integers, got dtype {seq_lengths.dtype}; "
+                    f"convert with seq_lengths.astype(jnp.int32)."
+                )
+            if tuple(seq_lengths.shape) != batch:
+                raise ValueError(
+                    f"RNN's seq_lengths must have the batch shape {batch} of inputs of shape "
+                    f"{shape} (time_major={self.time_major}), one length per sequence; got "
+                    f"shape {tuple(seq_lengths.shape)}."
+                )
+
+        if initial_carry is None:
+            carry = cell.initialize_carry(batch)
+        else:
+            carry = initial_carry
+            expected = carry_shapes(cell, batch)
+            got = tree_shapes(carry)
+            if got != expected:
+                raise ValueError(
+                    f"RNN got an initial_carry of shapes {got}, but its cell "
+                    f"{type(cell).__name__} needs a carry of shapes {expected} for inputs of "
+                    f"shape {shape} (batch shape {batch}, time_major={self.time_major}). "
+                    f"Create one with rnn.cell.initialize_carry({batch})."
+                )
+
+        settings = {
+            "time_major": self.time_major,
+            "reverse": self.reverse,
+            "keep_order": self.keep_order,
+            "return_carry": self.return_carry,
+            "unroll": self.unroll,
+        }
+        compiled = compiled_step(cell)
+        if compiled is not None:
+            weights, kernel = compiled
+            carry, outputs = rnn_scan(weights, carry, inputs, seq_lengths, kernel, **settings)
+        else:
+            # A fresh function per call: `lax.scan` caches its trace (constants included, and
+            # the cell's values are constants of the body) by the identity of the function.
+            def step(state: Carry, x: jax.Array) -> tuple[Carry, Any]:
+                return cell(state, x)
+
+            carry, outputs = _scan_sequence(
+                step, carry, inputs, seq_lengths, feature_axes=feature_axes, **settings
+            )
+        return (carry, outputs) if self.return_carry else outputs

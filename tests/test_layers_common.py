@@ -1,0 +1,171 @@
+"""The checks every layer must pass, over the table in `tests/layer_table.py`."""
+
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import lamina as lm
+from tests.layer_table import IDS, LAYERS, cast_inputs
+
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "layer_variables.json"
+F32 = (jnp.float32, None)
+
+
+def build(case, dtype=jnp.float32, param_dtype=None, seed=0):
+    """Transforms the case's layer; returns (variables, call, inputs) with call(v, *inputs)."""
+    init, apply = lm.transform(case.make(dtype, param_dtype), to_callable=case.to_callable)
+    variables = init(jax.random.key(seed))
+    inputs = cast_inputs(case.inputs(np.random.default_rng(seed), np.float32), dtype)
+    rngs = jax.random.key(seed + 1) if case.needs_rng else None
+
+    def call(variables, *inputs):
+        return apply(variables, rngs, *inputs, **case.kwargs)
+
+    return variables, call, inputs
+
+
+def assert_close(a, b, rtol=1e-5, atol=1e-6):
+    jax.tree.map(
+        lambda x, y: np.testing.assert_allclose(
+            np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol
+        ),
+        a,
+        b,
+    )
+
+
+def differentiable(case, variables, inputs):
+    """The loss, and which arguments to differentiate: float variables and float inputs."""
+    params = variables.get("params", {})
+    rest = {k: v for k, v in variables.items() if k != "params"}
+
+    def loss(params, *inputs):
+        outputs, _ = call_holder[0]({"params": params, **rest} if params else rest, *inputs)
+        leaves = [x for x in jax.tree.leaves(outputs) if jnp.issubdtype(x.dtype, jnp.floating)]
+        wide = [x if x.dtype.itemsize >= 4 else x.astype(jnp.float32) for x in leaves]
+        return sum(jnp.sum(jnp.sin(x) * x) for x in wide)
+
+    argnums = (0,) + (tuple(range(1, 1 + len(inputs))) if case.differentiable_inputs else ())
+    call_holder = []
+    return loss, params, argnums, call_holder
+
+
+@pytest.mark.parametrize("case", LAYERS, ids=IDS)
+def test_jit_equals_eager(case):
+    variables, call, inputs = build(case)
+    eager = call(variables, *inputs)
+    jitted = jax.jit(call)(variables, *inputs)
+    assert_close(jitted, eager)
+
+
+@pytest.mark.parametrize("case", LAYERS, ids=IDS)
+def test_checkpoint_equals_eager(case):
+    variables, call, inputs = build(case)
+    assert_close(jax.checkpoint(call)(variables, *inputs), call(variables, *inputs))
+
+
+@pytest.mark.parametrize("case", LAYERS, ids=IDS)
+def test_vmap_equals_loop(case):
+    variables, call, _ = build(case)
+    stacked = [
+        cast_inputs(case.inputs(np.random.default_rng(s), np.float32), jnp.float32)
+        for s in range(3)
+    ]
+    batched = jax.tree.map(lambda *xs: jnp.stack(xs), *stacked)
+    got = jax.vmap(call, in_axes=(None, *([0] * len(batched))))(variables, *batched)
+    for i, inputs in enumerate(stacked):
+        assert_close(
+            jax.tree.map(lambda x, i=i: x[i], got), call(variables, *inputs), rtol=1e-5, atol=1e-5
+        )
+
+
+@pytest.mark.parametrize("case", LAYERS, ids=IDS)
+def test_grad_eager_jit_and_checkpoint_agree(case):
+    variables, call, inputs = build(case)
+    loss, params, argnums, holder = differentiable(case, variables, inputs)
+    holder.append(call)
+    grads = jax.grad(loss, argnums=argnums)(params, *inputs)
+    assert_close(
+        jax.jit(jax.grad(loss, argnums=argnums))(params, *inputs), grads, rtol=1e-4, atol=1e-5
+    )
+    holder[0] = jax.checkpoint(call)
+    assert_close(jax.grad(loss, argnums=argnums)(params, *inputs), grads, rtol=1e-4, atol=1e-5)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    assert any(np.abs(np.asarray(g)).sum() > 0 for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("case", LAYERS, ids=IDS)
+def test_grad_matches_finite_differences_in_float64(case):
+    with jax.enable_x64(True):
+        variables, call, inputs = build(case, jnp.float64)
+        loss, params, argnums, holder = differentiable(case, variables, inputs)
+        holder.append(call)
+        chosen = [params, *inputs]
+        fixed = {i: a for i, a in enumerate(chosen) if i not in argnums}
+
+        def by_args(*diff):
+            full = dict(zip(argnums, diff, strict=True)) | fixed
+            return loss(*(full[i] for i in range(len(chosen))))
+
+        check_grads(
+            by_args,
+            tuple(chosen[i] for i in argnums),
+            order=1,
+            modes=("rev",),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+@pytest.mark.parametrize("case", LAYERS, ids=IDS)
+def test_dtypes(case, dtype):
+    reference_vars, reference_call, reference_inputs = build(case)
+    expected, _ = reference_call(reference_vars, *reference_inputs)
+    with jax.enable_x64(dtype == "float64"):
+        compute = jnp.dtype(dtype)
+        storage = jnp.float32 if dtype == "bfloat16" else jnp.float64
+        variables, call, inputs = build(case, compute, storage)
+        for leaf in jax.tree.leaves(variables.get("params", {})):
+            assert leaf.dtype == storage
+        # the same weights as the float32 reference, so the outputs are comparable
+        variables = jax.tree.map(lambda r, v: jnp.asarray(r, v.dtype), reference_vars, variables)
+        outputs, new_variables = call(variables, *inputs)
+        floats = [x for x in jax.tree.leaves(outputs) if jnp.issubdtype(x.dtype, jnp.floating)]
+        if case.output_in_dtype:
+            assert {x.dtype for x in floats} == {compute}
+        assert jax.tree.structure(new_variables) == jax.tree.structure(variables)
+        if dtype == "float64" and case.needs_rng:
+            # 64-bit uniforms give other dropout masks: the same layer, other random draws
+            assert all(np.isfinite(np.asarray(x)).all() for x in floats)
+        elif dtype == "float64":
+            assert_close(outputs, expected, rtol=1e-4, atol=1e-5)
+        else:
+            scale = max(
+                float(np.abs(np.asarray(x, np.float32)).max()) for x in jax.tree.leaves(expected)
+            )
+            assert_close(outputs, expected, rtol=5e-2, atol=5e-2 * scale)
+
+
+def golden_entry(case):
+    variables = jax.eval_shape(lm.transform(case.make(jnp.float32, None)).init, jax.random.key(0))
+    flat = jax.tree_util.tree_flatten_with_path(variables)[0]
+    return {"/".join(str(k.key) for k in path): f"{tuple(x.shape)} {x.dtype}" for path, x in flat}
+
+
+def test_golden_variable_paths_and_shapes():
+    """Fails on any unintended change of a layer's variables; LAMINA_UPDATE_GOLDEN=1 rewrites."""
+    current = {case.name: golden_entry(case) for case in LAYERS}
+    if os.environ.get("LAMINA_UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps(current, indent=1, sort_keys=True) + "\n")
+    recorded = json.loads(GOLDEN.read_text())
+    for name in current:
+        assert name in recorded, f"{name} is not in {GOLDEN.name}: run with LAMINA_UPDATE_GOLDEN=1"
+        assert current[name] == recorded[name], f"the variables of {name} changed"
+    assert set(recorded) == set(current)

@@ -1,0 +1,626 @@
+"""MultiHeadAttention and the attention functions against Flax Linen, given the same weights.
+
+Compilation dominates the runtime on a CPU, so the inputs are NumPy arrays (no compiled op
+per slice or shape), Linen runs under `jax.jit` (one program instead of one per primitive),
+and most tests share one Linen initialisation (`std_params`).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lamina as lm
+from lamina import (
+    MultiHeadAttention,
+    combine_masks,
+    dot_product_attention,
+    make_attention_mask,
+    make_causal_mask,
+)
+
+B, L, F = 2, 5, 6  # batch, length, features of the queries' input
+STD = {"num_heads": 3, "qkv_features": 12, "out_features": 4}  # head_dim 4
+
+
+def randn(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def shapes_and_dtypes(tree):
+    return jax.tree.map(lambda a: (a.shape, a.dtype), dict(tree))
+
+
+def close(a, b, tol=1e-6):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), tol, tol)
+
+
+def linen_mha(**kwargs):
+    """Linen's layer; normal initializers by default (nonzero biases, quick to compile)."""
+    kwargs.setdefault("kernel_init", nn.initializers.normal(0.5))
+    kwargs.setdefault("bias_init", nn.initializers.normal(0.5))
+    return nn.MultiHeadDotProductAttention(**kwargs)
+
+
+def linen_init(linen, *inputs):
+    """Linen's init variables (under jit), as a plain dict."""
+    return dict(jax.jit(linen.init)(jax.random.key(0), *inputs))
+
+
+def linen_like(linen, *inputs, seed=0):
+    """Variables of the structure Linen's init gives (found without compiling): random
+    parameters, zero caches."""
+    shapes = dict(jax.eval_shape(linen.init, jax.random.key(0), *inputs))
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(
+        lambda s: (0.5 * rng.standard_normal(s.shape)).astype(s.dtype), shapes.pop("params")
+    )
+    return {"params": params, **jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)}
+
+
+def linen_apply(linen):
+    """Linen's apply under jit."""
+    return jax.jit(linen.apply, static_argnames=("deterministic", "mutable"))
+
+
+def zero_variables(mha, params=None):
+    """(apply, variables): zeros of the declared shapes (no initializer runs), `params` put in."""
+    init, apply = lm.transform(mha)
+    shapes = jax.eval_shape(init, jax.random.key(0))
+    variables = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+    if params is not None:
+        variables["params"] = params
+    return apply, variables
+
+
+def dropout_key(seed):
+    """A key for dropout tests. "rbg" keys compile much faster on CPU than threefry ones for
+    per-element masks (seconds per shape); the code under test is the same for both."""
+    return jax.random.key(seed, impl="rbg")
+
+
+def decode_in_steps(apply, variables, inputs, steps, **kwargs):
+    """Runs `apply(..., decode=True)` on consecutive chunks of `inputs` of the given lengths."""
+    outputs, start = [], 0
+    for n in steps:
+        y, variables = apply(variables, None, inputs[:, start : start + n], decode=True, **kwargs)
+        outputs.append(np.asarray(y, np.float32))
+        start += n
+    return np.concatenate(outputs, axis=1), variables
+
+
+def causal_mask(batch, length):
+    return np.broadcast_to(np.tril(np.ones((length, length), bool)), (*batch, 1, length, length))
+
+
+X = randn(B, L, F, seed=42)
+
+
+@pytest.fixture(scope="module")
+def std_params():
+    """Linen's init params of the STD layer (they do not depend on lengths or batch)."""
+    return linen_init(linen_mha(**STD), X)["params"]
+
+
+@pytest.mark.parametrize("config", [STD, {"num_heads": 2, "use_bias": False}])
+def test_self_attention_equals_linen_and_init_layout(config):
+    linen = linen_mha(**config)
+    variables = linen_like(linen, X)
+    apply, ours = zero_variables(MultiHeadAttention(in_features=F, **config))
+    assert shapes_and_dtypes(ours) == shapes_and_dtypes(variables)
+    got, new_variables = apply(variables, None, X)
+    expected = linen_apply(linen)(variables, X)
+    assert got.shape == expected.shape == (B, L, config.get("out_features", F))
+    close(got, expected)
+    assert new_variables.keys() == {"params"}  # no cache without decode_shape
+
+
+def test_init_layout_and_linens_initializer_shapes(getkey):
+    calls = []
+
+    def recording_init(key, shape, dtype=jnp.float32):
+        calls.append(tuple(shape))
+        return np.full(shape, len(calls), dtype)
+
+    mha = MultiHeadAttention(
+        num_heads=2, in_features=32, out_features=8, kernel_init=recording_init,
+        bias_init=recording_init,
+    )  # fmt: skip
+    variables = lm.transform(mha).init(getkey())
+    assert jax.tree.map(jnp.shape, variables) == {
+        "params": {
+            "query": {"kernel": (32, 2, 16), "bias": (2, 16)},
+            "key": {"kernel": (32, 2, 16), "bias": (2, 16)},
+            "value": {"kernel": (32, 2, 16), "bias": (2, 16)},
+            "out": {"kernel": (2, 16, 8), "bias": (8,)},
+        }
+    }
+    # Linen's DenseGeneral calls the initializers with the kernel as a (fan_in, fan_out)
+    # matrix and the bias as a vector, then reshapes: lecun_normal's fan-in is then 32
+    # (for the query kernel, not 32 * 2; for the output kernel, 2 * 16, not 16).
+    assert sorted(calls) == sorted([(32, 32)] * 3 + [(32,)] * 3 + [(32, 8), (8,)])
+    values = {float(a.flat[0]) for a in jax.tree.leaves(variables)}
+    assert values == set(range(1, 9))  # each variable its own call
+
+
+def test_unbatched_and_extra_batch_axes_equal_linen(std_params):
+    linen = linen_apply(linen_mha(**STD))
+    apply, _ = zero_variables(MultiHeadAttention(in_features=F, **STD))
+    variables = {"params": std_params}
+    for shape in [(L, F), (2, 3, L, F)]:
+        inputs = randn(*shape, seed=1)
+        got, _ = apply(variables, None, inputs, causal=True)
+        close(got, linen(variables, inputs, mask=causal_mask(shape[:-2], L)))
+
+
+def test_cross_attention_equals_linen():
+    k_in, v_in = randn(B, 7, 3, seed=2), randn(B, 7, 4, seed=3)
+    linen = linen_mha(num_heads=2, qkv_features=8)
+    variables = linen_like(linen, X, k_in, v_in)
+    mha = MultiHeadAttention(2, F, qkv_features=8, key_features=3, value_features=4)
+    apply, ours = zero_variables(mha)
+    assert shapes_and_dtypes(ours) == shapes_and_dtypes(variables)
+    got, _ = apply(variables, None, X, k_in, v_in)
+    assert got.shape == (B, L, F)
+    close(got, linen_apply(linen)(variables, X, k_in, v_in))
+
+    # inputs_v defaults to inputs_k, and value_features to key_features
+    variables = linen_like(linen, X, k_in)
+    apply, ours = zero_variables(MultiHeadAttention(2, F, qkv_features=8, key_features=3))
+    assert shapes_and_dtypes(ours) == shapes_and_dtypes(variables)
+    close(apply(variables, None, X, k_in)[0], linen_apply(linen)(variables, X, k_in))
+
+
+def test_padding_mask_equals_linen(std_params):
+    kv = randn(B, 7, F, seed=4)
+    q_valid = np.array([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
+    kv_valid = np.array([[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0]])
+    mask = make_attention_mask(q_valid, kv_valid)  # float32, as Linen's
+    assert mask.shape == (B, 1, L, 7)
+    linen = linen_apply(linen_mha(**STD))
+    variables = {"params": std_params}
+    apply, _ = zero_variables(MultiHeadAttention(in_features=F, **STD))
+    close(apply(variables, None, X, kv, mask=mask)[0], linen(variables, X, kv, mask=mask))
+    # a boolean mask of lower rank (here: per key only) works too; masked keys do not matter
+    key_mask = np.array([True] * 4 + [False] * 3)
+    expected = linen(variables, X, kv, mask=np.broadcast_to(key_mask, (B, 1, L, 7)))
+    close(apply(variables, None, X, kv, mask=key_mask)[0], expected)
+    changed = kv.copy()
+    changed[:, 4:] = 100.0
+    close(apply(variables, None, X, changed, mask=key_mask)[0], expected)
+
+
+def test_causal_equals_linen(std_params):
+    linen = linen_apply(linen_mha(**STD))
+    variables = {"params": std_params}
+    apply, _ = zero_variables(MultiHeadAttention(in_features=F, **STD))
+    causal = causal_mask((B,), L)
+    got, _ = apply(variables, None, X, causal=True)
+    close(got, linen(variables, X, mask=causal))
+    assert not np.allclose(got, apply(variables, None, X)[0])
+    # later positions do not change earlier outputs
+    changed = X.copy()
+    changed[:, -1] = 100.0
+    close(apply(variables, None, changed, causal=True)[0][:, :-1], got[:, :-1])
+    # causal and a padding mask together, as Linen's combine_masks
+    valid = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], np.float32)
+    padding = valid[:, None, :, None] * valid[:, None, None, :]
+    expected = linen(variables, X, mask=np.logical_and(padding, causal))
+    close(apply(variables, None, X, mask=padding, causal=True)[0], expected)
+
+
+def test_gradients_equal_linen(std_params):
+    kv = randn(B, 7, F, seed=5)
+    linen = linen_mha(**STD)
+    variables = {"params": std_params}
+    mask = np.ones((B, 1, L, 7), bool)
+    mask[1, ..., 5:] = False
+    apply, _ = zero_variables(MultiHeadAttention(in_features=F, **STD))
+
+    def ours(v, q, kv):
+        return jnp.sum(jnp.sin(apply(v, None, q, kv, mask=mask)[0]))
+
+    def theirs(v, q, kv):
+        return jnp.sum(jnp.sin(linen.apply(v, q, kv, mask=mask)))
+
+    got = jax.grad(ours, argnums=(0, 1, 2))(variables, X, kv)
+    expected = jax.jit(jax.grad(theirs, argnums=(0, 1, 2)))(variables, X, kv)
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    jax.tree.map(lambda a, b: close(a, b, 1e-5), got, expected)
+    assert float(np.abs(got[0]["params"]["key"]["kernel"]).sum()) > 0
+    np.testing.assert_array_equal(got[2][1, 5:], 0.0)  # masked keys get no gradient
+    assert np.abs(got[2][0, 5:]).sum() > 0
+
+
+def test_dropout_equals_linen_given_the_key(std_params):
+    # broadcast_dropout=False: the flag reaches the kernel (both values: the functional test)
+    kwargs = {**STD, "dropout_rate": 0.5, "broadcast_dropout": False}
+    linen = linen_apply(linen_mha(**kwargs))
+    variables = {"params": std_params}
+    apply, _ = zero_variables(MultiHeadAttention(in_features=F, **kwargs))
+    key = dropout_key(1)
+    got, _ = apply(variables, {"dropout": key}, X, is_training=True)
+    # lamina's "dropout" stream hands out fold_in(key, 0) first
+    dropout_rng = jax.random.fold_in(key, 0)
+    close(got, linen(variables, X, deterministic=False, dropout_rng=dropout_rng))
+    # deterministic given the key, different for another key
+    np.testing.assert_array_equal(apply(variables, {"dropout": key}, X, is_training=True)[0], got)
+    other, _ = apply(variables, {"dropout": dropout_key(2)}, X, is_training=True)
+    assert not np.allclose(other, got)
+    # inactive when not training, key or no key
+    no_dropout = linen(variables, X, deterministic=True)
+    close(apply(variables, {"dropout": key}, X)[0], no_dropout)
+    close(apply(variables, None, X, is_training=False)[0], no_dropout)
+    assert not np.allclose(got, no_dropout)
+
+
+def test_dropout_needs_a_key_only_when_active(std_params):
+    apply, variables = zero_variables(MultiHeadAttention(in_features=F, **STD, dropout_rate=0.1))
+    with pytest.raises(lm.RngError, match=r"next_rng_key\('dropout'\) found no key"):
+        apply(variables, None, X, is_training=True)
+    apply, variables = zero_variables(MultiHeadAttention(in_features=F, **STD), std_params)
+    got, _ = apply(variables, None, X, is_training=True)  # dropout_rate=0: no key needed
+    close(got, apply(variables, None, X)[0])
+
+
+def test_decode_equals_full_causal_pass_and_linens_decode(getkey):
+    linen = linen_mha(**STD, decode=True)
+    linen_vars = linen_like(linen, X)  # Linen sizes its cache from this input
+    mha = MultiHeadAttention(
+        in_features=F, **STD, kernel_init=lm.initializers.normal(), decode_shape=(B, L)
+    )
+    init, apply = lm.transform(mha)
+    ours = init(getkey())
+    assert shapes_and_dtypes(ours) == shapes_and_dtypes(linen_vars)
+    assert int(ours["cache"]["cache_index"]) == 0
+    np.testing.assert_array_equal(ours["cache"]["cached_key"], 0.0)
+    variables = {"params": linen_vars["params"], "cache": ours["cache"]}
+    full, unchanged = apply(variables, None, X, causal=True)  # decode=False: cache untouched
+    jax.tree.map(np.testing.assert_array_equal, unchanged, variables)
+
+    outputs, after = decode_in_steps(apply, variables, X, [1] * L)
+    close(outputs, full)
+    assert int(after["cache"]["cache_index"]) == L
+    # Linen's decoding path, step by step, gives the same outputs and the same cache
+    step = linen_apply(linen)
+    state, linen_outputs = linen_vars, []
+    for t in range(L):
+        y, updated = step(state, X[:, t : t + 1], mutable="cache")
+        state = {"params": linen_vars["params"], "cache": updated["cache"]}
+        linen_outputs.append(y)
+    close(outputs, np.concatenate(linen_outputs, axis=1))
+    jax.tree.map(close, after["cache"], dict(state["cache"]))
+    # the cached keys are the key projection of the inputs
+    key_params = variables["params"]["key"]
+    expected_keys = np.einsum("blf,fhd->blhd", X, key_params["kernel"]) + key_params["bias"]
+    close(after["cache"]["cached_key"], expected_keys, 1e-5)
+
+    # several positions per step (a prompt, then single tokens) give the same outputs
+    outputs, after = decode_in_steps(apply, variables, X, [3, 1, 1])
+    close(outputs, full)
+    assert int(after["cache"]["cache_index"]) == L
+
+
+def test_decode_with_padding_mask_and_short_sequence(std_params):
+    max_length = 8
+    mha = MultiHeadAttention(in_features=F, **STD, decode_shape=(B, max_length))
+    apply, variables = zero_variables(mha, std_params)
+    # batch element 1 ignores position 1 (a pad token, say); only L of 8 positions are used
+    valid = np.array([[True] * max_length, [True, False] + [True] * (max_length - 2)])
+    decode_mask = valid[:, None, None, :]  # (batch, 1, 1, max_length)
+    outputs, after = decode_in_steps(apply, variables, X, [2, 1, 1, 1], mask=decode_mask)
+    full, _ = apply(variables, None, X, mask=decode_mask[..., :L], causal=True)
+    close(outputs, full)
+    assert not np.allclose(outputs, apply(variables, None, X, causal=True)[0])
+    assert int(after["cache"]["cache_index"]) == L
+    np.testing.assert_array_equal(after["cache"]["cached_value"][:, L:], 0.0)  # unwritten
+
+
+def test_decode_under_jit_and_past_max_length(std_params):
+    mha = MultiHeadAttention(in_features=F, **STD, decode_shape=(B, 3))
+    apply, variables = zero_variables(mha, std_params)
+    step = jax.jit(lambda v, x: apply(v, None, x, decode=True))
+    eager_out, eager_vars = decode_in_steps(apply, variables, X, [1, 1, 1])
+    jit_out, jit_vars = [], variables
+    for t in range(3):
+        y, jit_vars = step(jit_vars, X[:, t : t + 1])
+        jit_out.append(y)
+    close(np.concatenate(jit_out, axis=1), eager_out)
+    jax.tree.map(close, jit_vars, eager_vars)
+    # eagerly, a step past max_length is an error
+    with pytest.raises(
+        ValueError,
+        match=r"decoding past max_length: cache_index is 3 and this step writes 1 "
+        r"position\(s\), but the cache holds max_length=3",
+    ):
+        apply(eager_vars, None, X[:, 3:4], decode=True)
+    with pytest.raises(ValueError, match=r"cache_index is 2 and this step writes 2 position"):
+        decode_in_steps(apply, variables, X, [2, 2])
+    # under jit the index is traced: NaN outputs, cache unchanged, index still advances
+    y, overflowed = step(jit_vars, X[:, 3:4])
+    assert y.shape == (B, 1, 4) and np.isnan(np.asarray(y)).all()
+    for name in ("cached_key", "cached_value"):
+        np.testing.assert_array_equal(overflowed["cache"][name], jit_vars["cache"][name])
+    assert int(overflowed["cache"]["cache_index"]) == 4
+
+
+def test_jit_equals_eager(getkey, std_params):
+    mha = MultiHeadAttention(in_features=F, **STD, dropout_rate=0.3)
+    apply, variables = zero_variables(mha, std_params)
+    rngs = {"dropout": getkey()}  # a default (threefry) key
+    eager, _ = apply(variables, rngs, X, causal=True, is_training=True)
+    jitted = jax.jit(lambda v, r, x: apply(v, r, x, causal=True, is_training=True)[0])
+    close(jitted(variables, rngs, X), eager)
+
+
+def test_bfloat16_compute_float32_storage(getkey, std_params):
+    kwargs = {**STD, "dtype": jnp.bfloat16, "param_dtype": jnp.float32}
+    mha = MultiHeadAttention(
+        in_features=F, **kwargs, kernel_init=lm.initializers.normal(), decode_shape=(B, L)
+    )
+    init, apply = lm.transform(mha)
+    ours = init(getkey())
+    assert {a.dtype for a in jax.tree.leaves(ours["params"])} == {jnp.dtype(jnp.float32)}
+    # the cache is in the compute dtype, as Linen's (which caches key.dtype)
+    assert ours["cache"]["cached_key"].dtype == ours["cache"]["cached_value"].dtype == jnp.bfloat16
+    variables = {"params": std_params, "cache": ours["cache"]}
+    got, _ = apply(variables, None, X)
+    expected = linen_apply(linen_mha(**kwargs))({"params": std_params}, X)
+    assert got.dtype == expected.dtype == jnp.bfloat16
+    close(got, expected, 1e-2)
+    # decoding in bfloat16 follows the full pass
+    outputs, after = decode_in_steps(apply, variables, X, [1] * L)
+    assert after["cache"]["cached_key"].dtype == jnp.bfloat16
+    full, _ = apply(variables, None, X, causal=True)
+    close(outputs, full, 5e-2)
+
+
+def test_force_fp32_for_softmax_equals_linen(std_params):
+    kwargs = {**STD, "dtype": jnp.bfloat16, "force_fp32_for_softmax": True}
+    variables = {"params": std_params}
+    with jax.numpy_dtype_promotion("standard"):  # Linen mixes float32 and bfloat16 here
+        expected = linen_apply(linen_mha(**kwargs))(variables, X)
+    apply, _ = zero_variables(MultiHeadAttention(in_features=F, **kwargs))
+    got, _ = apply(variables, None, X)
+    assert got.dtype == expected.dtype == jnp.bfloat16
+    close(got, expected, 1e-2)
+
+
+def test_dot_product_attention_equals_linen():
+    q, k, v = randn(B, L, 3, 4, seed=6), randn(B, 7, 3, 4, seed=7), randn(B, 7, 3, 2, seed=8)
+    mask = np.ones((B, 1, L, 7), np.float32)
+    mask[1, ..., 4:] = 0.0
+    bias = randn(1, 3, L, 7, seed=9)
+    key = dropout_key(3)
+    static = ("broadcast_dropout", "deterministic", "dropout_rate")
+    linen = jax.jit(nn.dot_product_attention, static_argnames=static)
+    plain = dot_product_attention(q, k, v, mask=mask, bias=bias)
+    assert plain.shape == (B, L, 3, 2)
+    close(plain, linen(q, k, v, bias=bias, mask=mask))
+    for broadcast in (True, False):
+        dropout = {"dropout_rng": key, "dropout_rate": 0.4, "broadcast_dropout": broadcast}
+        got = dot_product_attention(q, k, v, mask=mask, is_training=True, **dropout)
+        close(got, linen(q, k, v, mask=mask, deterministic=False, **dropout))
+    # not training: no dropout, no key needed
+    no_dropout = dot_product_attention(q, k, v, mask=mask, bias=bias, dropout_rate=0.4)
+    close(no_dropout, plain)
+    assert not np.allclose(no_dropout, got)
+
+
+def test_dot_product_attention_draws_dropout_keys_inside_a_call():
+    q = randn(B, L, 3, 4, seed=10)
+
+    class Net(lm.Module):
+        def __call__(self, q):
+            return dot_product_attention(q, q, q, is_training=True, dropout_rate=0.4)
+
+    _, apply = lm.transform(Net())
+    key = dropout_key(4)
+    got, _ = apply({}, {"dropout": key}, q)
+    expected = dot_product_attention(
+        q, q, q, is_training=True, dropout_rate=0.4, dropout_rng=jax.random.fold_in(key, 0)
+    )
+    close(got, expected)
+    with pytest.raises(RuntimeError, match=r"next_rng_key\(\) was called outside init/apply"):
+        dot_product_attention(q, q, q, is_training=True, dropout_rate=0.4)
+
+
+def test_mask_helpers_equal_linen():
+    a = np.array([[1, 0, 2], [3, 3, 0]], np.int32)
+    b = np.array([[0, 1, 1, 2], [1, 3, 0, 0]], np.int32)
+    for kwargs in [{}, {"extra_batch_dims": 2, "pairwise_fn": jnp.greater_equal}]:
+        got = make_attention_mask(a, b, **kwargs)
+        expected = nn.make_attention_mask(a, b, **kwargs)
+        assert got.shape == expected.shape and got.dtype == expected.dtype == jnp.float32
+        np.testing.assert_array_equal(got, expected)
+    got = make_attention_mask(a > 0, b > 0, dtype=jnp.bool_)
+    assert got.dtype == jnp.bool_ and got.shape == (2, 1, 3, 4)
+    np.testing.assert_array_equal(got, (a > 0)[:, None, :, None] & (b > 0)[:, None, None, :])
+    for shape, extra in [((2, 3), 0), ((3,), 1)]:
+        got = make_causal_mask(np.ones(shape), extra_batch_dims=extra)
+        expected = nn.make_causal_mask(np.ones(shape), extra_batch_dims=extra)
+        assert got.shape == expected.shape
+        np.testing.assert_array_equal(got, expected)
+    padding = make_attention_mask(a > 0, a > 0)
+    causal = make_causal_mask(a)
+    np.testing.assert_array_equal(
+        combine_masks(padding, None, causal), nn.combine_masks(padding, None, causal)
+    )
+    assert combine_masks(None, None) is None
+    assert combine_masks(padding, dtype=jnp.bool_).dtype == jnp.bool_
+
+
+# --- errors a user can cause ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built():
+    """A self-attention layer (3 heads, 6 features) and a decoding one, with variables."""
+    return zero_variables(MultiHeadAttention(3, F)), zero_variables(
+        MultiHeadAttention(3, F, decode_shape=(B, 4))
+    )
+
+
+def ones(shape):
+    return np.ones(shape, np.float32)
+
+
+FEATURE_ERRORS = [
+    (
+        (ones((B, L, 7)),),
+        r"inputs_q of shape \(2, 5, 7\): its last axis must be in_features=6, got 7\. Pass "
+        r"inputs_q of shape \(\.\.\., 6\), or build the layer with in_features=7",
+    ),
+    (
+        (ones((B, L, F)), ones((B, 7, 4))),
+        r"inputs_k of shape \(2, 7, 4\): its last axis must be key_features=6, got 4",
+    ),
+    (
+        (ones((B, L, F)), ones((B, 7, F)), ones((B, 7, 3))),
+        r"inputs_v of shape \(2, 7, 3\): its last axis must be value_features=6, got 3",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "match"), FEATURE_ERRORS)
+def test_inputs_of_the_wrong_feature_size(built, args, match):
+    (apply, variables), _ = built
+    with pytest.raises(ValueError, match=r"MultiHeadAttention got " + match):
+        apply(variables, None, *args)
+
+
+CALL_ERRORS = [
+    ((ones(F),), {}, r"inputs_q must have shape \(batch..., length, features\), got shape \(6,\)"),
+    ((ones((B, L, F)), None, ones((B, L, F))), {}, r"inputs_v was given without inputs_k"),
+    (
+        (ones((B, L, F)), ones((3, L, F))),
+        {},
+        r"inputs_q, inputs_k and inputs_v must have the same batch shape",
+    ),
+    (
+        (ones((B, L, F)), ones((B, 7, F)), ones((B, 6, F))),
+        {},
+        r"inputs_k and inputs_v must have the same length",
+    ),
+    (
+        (ones((B, L, F)),),
+        {"mask": ones((B, 1, L, 7))},
+        r"mask of shape \(2, 1, 5, 7\) does not broadcast to the attention weights' shape "
+        r"\(batch..., num_heads, q_length, kv_length\) = \(2, 3, 5, 5\)",
+    ),
+    (
+        (ones((B, L, F)),),
+        {"mask": ones((1, B, 1, L, L))},
+        r"mask of shape \(1, 2, 1, 5, 5\) does not broadcast",
+    ),
+    ((ones((B, L, F)),), {"is_training": np.bool_(True)}, r"is_training must be a Python bool"),
+    ((ones((B, L, F)),), {"causal": 1}, r"causal must be a Python bool, got int"),
+    (
+        (ones((B, 1, F)),),
+        {"decode": True},
+        r"decode=True needs a decoding cache, and this layer has none. Build it with "
+        r"decode_shape=\(\*batch, max_length\)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "kwargs", "match"), CALL_ERRORS)
+def test_call_errors(built, args, kwargs, match):
+    (apply, variables), _ = built
+    error = TypeError if "Python bool" in match else ValueError
+    with pytest.raises(error, match=r"MultiHeadAttention: " + match):
+        apply(variables, None, *args, **kwargs)
+
+
+DECODE_ERRORS = [
+    (
+        (ones((3, 1, F)),),
+        {},
+        r"decode=True with inputs of batch shape \(3,\), but the cache was sized for batch "
+        r"shape \(2,\) \(decode_shape=\(2, 4\)\)",
+    ),
+    (
+        (ones((B, 1, F)), ones((B, 2, F))),
+        {},
+        r"with decode=True the keys and values are cached at the queries' positions, so "
+        r"inputs_k must have the queries' length 1; got shape \(2, 2, 6\)",
+    ),
+    (
+        (ones((B, 1, F)),),
+        {"mask": ones((B, 1, 1, 2))},
+        r"mask of shape \(2, 1, 1, 2\) does not broadcast to the attention weights' shape "
+        r"\(batch..., num_heads, q_length, kv_length\) = \(2, 3, 1, 4\)",
+    ),
+    ((ones((B, 5, F)),), {}, r"decoding past max_length: cache_index is 0 and this step writes 5"),
+]
+
+
+@pytest.mark.parametrize(("args", "kwargs", "match"), DECODE_ERRORS)
+def test_decode_errors(built, args, kwargs, match):
+    _, (apply, variables) = built
+    with pytest.raises(ValueError, match=r"MultiHeadAttention: " + match):
+        apply(variables, None, *args, decode=True, **kwargs)
+
+
+CONSTRUCTOR_ERRORS = [
+    (
+        {"num_heads": 4, "in_features": 6},
+        r"qkv_features=6 is not divisible by num_heads=4; each head gets qkv_features // "
+        r"num_heads features",
+    ),
+    ({"num_heads": 2, "in_features": 6, "qkv_features": 9}, r"qkv_features=9 is not divisible"),
+    ({"num_heads": 0, "in_features": 6}, r"num_heads must be a positive int, got 0"),
+    ({"num_heads": 2, "in_features": 6.0}, r"in_features must be a positive int, got 6.0"),
+    ({"num_heads": 2, "in_features": 6, "key_features": -1}, r"key_features must be a positive"),
+    ({"num_heads": 2, "in_features": 6, "dropout_rate": 1.0}, r"dropout_rate must be a number "),
+    (
+        {"num_heads": 2, "in_features": 6, "decode_shape": (2, 0)},
+        r"decode_shape must be a non-empty tuple of positive ints, \(\*batch, max_length\); "
+        r"got \(2, 0\)",
+    ),
+    ({"num_heads": 2, "in_features": 6, "decode_shape": 16}, r"decode_shape must be a non-empty"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), CONSTRUCTOR_ERRORS)
+def test_constructor_errors(kwargs, match):
+    with pytest.raises(ValueError, match=r"MultiHeadAttention: " + match):
+        MultiHeadAttention(**kwargs)
+
+
+q4 = ones((B, L, 3, 4))
+FUNCTION_ERRORS = [
+    ((q4, ones((B, 7, 3, 4)), ones((B, 7, 3, 2))), {"mask": ones((B, 1, L, 6))}, r"mask of shape"),
+    (
+        (q4, ones((B, 7, 3, 4)), ones((B, 7, 3, 2))),
+        {"bias": ones((B, 2, L, 7))},
+        r"bias of shape \(2, 2, 5, 7\) does not broadcast .* = \(2, 3, 5, 7\)",
+    ),
+    ((q4, ones((L, 3, 4)), q4), {}, r"query, key and value must have the same rank, at least 3"),
+    ((ones((L, 4)),) * 3, {}, r"query, key and value must have the same rank, at least 3"),
+    ((q4, ones((3, L, 3, 4)), q4), {}, r"query, key and value must have the same batch axes"),
+    ((q4, ones((B, L, 2, 4)), q4), {}, r"query, key and value must have the same num_heads"),
+    ((q4, ones((B, L, 3, 5)), q4), {}, r"query and key must have the same depth"),
+    ((q4, q4, ones((B, 6, 3, 4))), {}, r"key and value must have the same length"),
+    ((q4, q4, q4), {"dtype": np.int32}, r"the compute dtype must be floating, got int32"),
+    ((q4, q4, q4), {"dropout_rate": -0.1}, r"dropout_rate must be a number in \[0, 1\)"),
+]
+
+
+@pytest.mark.parametrize(("args", "kwargs", "match"), FUNCTION_ERRORS)
+def test_dot_product_attention_errors(args, kwargs, match):
+    with pytest.raises(ValueError, match=r"dot_product_attention: " + match):
+        dot_product_attention(*args, **kwargs)
+
+
+def test_dot_product_attention_is_training_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"is_training must be a Python bool, got int"):
+        dot_product_attention(q4, q4, q4, is_training=1)
+
+
+def test_combine_masks_of_different_ranks():
+    with pytest.raises(
+        ValueError, match=r"the masks must have the same rank, got shapes \(1, 1, 2, 2\), \(2, 2\)"
+    ):
+        combine_masks(ones((1, 1, 2, 2)), ones((2, 2)))

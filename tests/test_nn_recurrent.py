@@ -1,0 +1,652 @@
+"""LSTMCell, GRUCell and RNN against Flax Linen, given the same weights (Linen's init).
+
+Shapes are shared across tests (B sequences of T steps, IN -> HID features) so that compiled
+programs are reused; Linen's variables are made once per cell kind and seed.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lamina as lm
+from lamina import RNN, GRUCell, LSTMCell
+from lamina.nn.cells import lstm_step
+from lamina.nn.recurrent import flip_sequences
+
+B, T, IN, HID = 3, 6, 3, 4
+CELLS = {"lstm": (LSTMCell, nn.LSTMCell), "gru": (GRUCell, nn.GRUCell)}
+
+
+def ours(kind, **kwargs):
+    return CELLS[kind][0](IN, HID, **kwargs)
+
+
+def linen(kind, **kwargs):
+    return CELLS[kind][1](HID, **kwargs)
+
+
+@functools.cache
+def _linen_init(kind):
+    zeros = jnp.zeros((B, HID))
+    carry = (zeros, zeros) if kind == "lstm" else zeros
+    return jax.jit(lambda key: linen(kind).init(key, carry, jnp.zeros((B, IN))))
+
+
+@functools.cache
+def linen_cell_variables(kind, seed=0):
+    """Linen's `init` of a cell: {"params": {"ii": ..., ...}}."""
+    return _linen_init(kind)(jax.random.key(seed))
+
+
+def linen_rnn_variables(kind, seed=0):
+    """Linen's variables of `nn.RNN(cell)`: the cell's, under "cell"."""
+    return {"params": {"cell": linen_cell_variables(kind, seed)["params"]}}
+
+
+def linen_apply(module, variables, *args, **kwargs):
+    """Linen's `apply`, compiled as one program (faster to compile than op by op)."""
+    return jax.jit(lambda v, *a, **k: module.apply(v, *a, **k))(variables, *args, **kwargs)
+
+
+def abstract(tree):
+    return jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), dict(tree))
+
+
+def assert_close(got, expected, rtol=1e-6, atol=1e-6):
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=atol
+        )
+
+
+def normal(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+
+
+def random_carry(kind, rng, batch=(B,)):
+    if kind == "lstm":
+        return normal(rng, *batch, HID), normal(rng, *batch, HID)
+    return normal(rng, *batch, HID)
+
+
+def sequences(rng, time_major=False):
+    return normal(rng, *((T, B, IN) if time_major else (B, T, IN)))
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+# ----------------------------------------------------------------------------- layout, init
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_init_layout_equals_linen(kind):
+    key = jax.random.key(0)
+    carry = linen(kind).initialize_carry(key, (B, IN))
+    linen_cell = jax.eval_shape(lambda: linen(kind).init(key, carry, jnp.zeros((B, IN))))
+    assert abstract(jax.eval_shape(lm.transform(ours(kind)).init, key)) == abstract(linen_cell)
+    # inside RNN the cell's variables live under "cell", as in Linen
+    linen_rnn = jax.eval_shape(lambda: nn.RNN(linen(kind)).init(key, jnp.zeros((B, T, IN))))
+    got = jax.eval_shape(lm.transform(RNN(ours(kind))).init, key)
+    assert abstract(got) == abstract(linen_rnn)
+    assert set(linen_rnn["params"]) == {"cell"}
+
+
+def test_which_dense_layers_have_biases():
+    lstm = jax.eval_shape(lm.transform(LSTMCell(IN, HID)).init, jax.random.key(0))["params"]
+    assert {k: sorted(v) for k, v in lstm.items()} == {
+        **{f"i{g}": ["kernel"] for g in "ifgo"},
+        **{f"h{g}": ["bias", "kernel"] for g in "ifgo"},
+    }
+    gru = jax.eval_shape(lm.transform(GRUCell(IN, HID)).init, jax.random.key(0))["params"]
+    assert {k: sorted(v) for k, v in gru.items()} == {
+        "ir": ["bias", "kernel"],
+        "iz": ["bias", "kernel"],
+        "in": ["bias", "kernel"],
+        "hr": ["kernel"],
+        "hz": ["kernel"],
+        "hn": ["bias", "kernel"],
+    }
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_default_initializers_are_linens(kind):
+    cell = ours(kind)
+    declarations = {name: d for name, d in vars(cell).items() if isinstance(d, lm.Dense)}
+    assert len(declarations) == (8 if kind == "lstm" else 6)
+    for name, d in declarations.items():
+        expected = (
+            lm.initializers.orthogonal() if name[0] == "h" else lm.initializers.lecun_normal()
+        )
+        assert d.kernel.init == expected, name
+        if d.bias is not None:
+            assert d.bias.init == lm.initializers.zeros(), name
+    assert cell.gate_fn is lm.sigmoid and cell.activation_fn is lm.tanh
+
+
+def test_initializers_dtypes_and_functions_reach_every_gate():
+    kernel_init, recurrent_init = lm.initializers.ones(), lm.initializers.constant(2.0)
+    bias_init = lm.initializers.constant(3.0)
+    for cls, gates in [(LSTMCell, "ifgo"), (GRUCell, "rzn")]:
+        cell = cls(
+            IN,
+            HID,
+            gate_fn=jax.nn.hard_sigmoid,
+            activation_fn=jax.nn.soft_sign,
+            kernel_init=kernel_init,
+            recurrent_kernel_init=recurrent_init,
+            bias_init=bias_init,
+            dtype=jnp.bfloat16,
+            param_dtype=jnp.float32,
+        )
+        assert cell.gate_fn is jax.nn.hard_sigmoid and cell.activation_fn is jax.nn.soft_sign
+        for g in gates:
+            i, h = getattr(cell, f"i{g}"), getattr(cell, f"h{g}")
+            assert i.kernel.init is kernel_init and h.kernel.init is recurrent_init
+            assert i.kernel.shape == (IN, HID) and h.kernel.shape == (HID, HID)
+            for bias in (i.bias, h.bias):
+                assert bias is None or bias.init is bias_init
+            for d in (i, h):
+                assert d.kernel.dtype == jnp.bfloat16 and d.kernel.param_dtype == jnp.float32
+
+
+def test_a_new_transform_reuses_the_compiled_step(rng):
+    """Transform's snapshot shares the activation functions (a copy of a model shares JAX's
+    functions, such as the jitted lm.sigmoid), so the step's compilation cache is hit."""
+    x, carry = normal(rng, B, IN), random_carry("lstm", rng)
+    variables = linen_cell_variables("lstm")
+    first, _ = lm.transform(ours("lstm")).apply(variables, None, carry, x)
+    size = lstm_step._cache_size()
+    again, _ = lm.transform(ours("lstm")).apply(variables, None, carry, x)
+    assert lstm_step._cache_size() == size
+    assert_close(again, first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("batch", [(), (2, 3)])
+def test_initialize_carry_equals_linens_zeros(rng, kind, batch):
+    got = ours(kind).initialize_carry(batch)
+    expected = linen(kind).initialize_carry(jax.random.key(0), (*batch, IN))
+    assert_close(got, expected, rtol=0, atol=0)
+    assert_close(ours(kind).initialize_carry(list(batch)), expected, rtol=0, atol=0)
+    mixed = ours(kind, dtype=jnp.bfloat16, param_dtype=jnp.float32).initialize_carry(batch)
+    assert {leaf.dtype for leaf in jax.tree.leaves(mixed)} == {jnp.dtype(jnp.float32)}
+
+
+def test_initialize_carry_takes_an_int():
+    c, h = LSTMCell(IN, HID).initialize_carry(5)
+    assert c.shape == h.shape == (5, HID)
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("batch", [(), (2, 3)])
+def test_cell_step_equals_linen(rng, kind, batch):
+    x = normal(rng, *batch, IN)
+    carry = random_carry(kind, rng, batch)
+    variables = linen_cell_variables(kind)
+    expected = linen_apply(linen(kind), variables, carry, x)
+    got, _ = lm.transform(ours(kind)).apply(variables, None, carry, x)
+    assert_close(got, expected)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_cell_custom_activations_equal_linen(rng, kind):
+    fns = {"gate_fn": jax.nn.hard_sigmoid, "activation_fn": jax.nn.soft_sign}
+    x = normal(rng, B, IN)
+    carry = random_carry(kind, rng)
+    variables = linen_cell_variables(kind)
+    expected = linen_apply(linen(kind, **fns), variables, carry, x)
+    got, _ = lm.transform(ours(kind, **fns)).apply(variables, None, carry, x)
+    assert_close(got, expected)
+    default, _ = lm.transform(ours(kind)).apply(variables, None, carry, x)
+    assert not np.allclose(default[1], got[1])  # the functions are used
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_cell_gradients_equal_linen(rng, kind):
+    x = normal(rng, B, IN)
+    carry = random_carry(kind, rng)
+    variables = linen_cell_variables(kind)
+    _, apply = lm.transform(ours(kind))
+
+    def loss(out):
+        new_carry, y = out
+        return sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(new_carry)) + jnp.sum(y**2)
+
+    def loss_ours(v, c, x):
+        return loss(apply(v, None, c, x)[0])
+
+    def loss_linen(v, c, x):
+        return loss(linen(kind).apply(v, c, x))
+
+    g_ours = jax.jit(jax.grad(loss_ours, argnums=(0, 1, 2)))(variables, carry, x)
+    g_linen = jax.jit(jax.grad(loss_linen, argnums=(0, 1, 2)))(variables, carry, x)
+    assert_close(g_ours, g_linen, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_cell_bfloat16_compute_float32_storage_equals_linen(rng, kind):
+    """Linen keeps the carry in float32 (param_dtype) and computes the gates in bfloat16; its
+    cells rely on standard dtype promotion for that, so Linen runs under it here."""
+    mixed = {"dtype": jnp.bfloat16, "param_dtype": jnp.float32}
+    x = normal(rng, B, IN)
+    carry = random_carry(kind, rng)
+    variables = linen_cell_variables(kind)
+    with jax.numpy_dtype_promotion("standard"):
+        expected = linen_apply(linen(kind, **mixed), variables, carry, x)
+    got, _ = lm.transform(ours(kind, **mixed)).apply(variables, None, carry, x)
+    assert {leaf.dtype for leaf in jax.tree.leaves(got)} == {jnp.dtype(jnp.float32)}
+    # the same operations in the same dtypes as Linen's promotions: equal to float32 rounding
+    assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    full, _ = lm.transform(ours(kind)).apply(variables, None, carry, x)
+    assert not np.array_equal(got[1], full[1])  # bfloat16 was used
+    np.testing.assert_allclose(got[1], full[1], atol=3e-2)
+
+
+# ----------------------------------------------------------------------------- RNN
+
+
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("lstm", {}),
+        ("lstm", {"reverse": True}),
+        ("lstm", {"time_major": True, "reverse": True, "keep_order": True, "return_carry": True}),
+        ("gru", {"time_major": True, "return_carry": True, "unroll": 3}),
+        ("gru", {"reverse": True, "keep_order": True}),
+    ],
+    ids=lambda o: "-".join(o) if isinstance(o, dict) else o,
+)
+def test_rnn_equals_linen(rng, kind, options):
+    x = sequences(rng, options.get("time_major", False))
+    variables = linen_rnn_variables(kind)
+    expected = linen_apply(nn.RNN(linen(kind), **options), variables, x)
+    got, _ = lm.transform(RNN(ours(kind), **options)).apply(variables, None, x)
+    assert_close(got, expected)
+
+
+def test_rnn_reverse_and_keep_order_by_hand(rng):
+    """Independent of Linen: reverse reads the sequence backwards; keep_order restores order."""
+    x = sequences(rng)
+    variables = linen_rnn_variables("gru")
+    backward, _ = lm.transform(RNN(GRUCell(IN, HID), reverse=True)).apply(variables, None, x)
+    kept, _ = lm.transform(RNN(GRUCell(IN, HID), reverse=True, keep_order=True)).apply(
+        variables, None, x
+    )
+    _, step = lm.transform(GRUCell(IN, HID))
+    h = jnp.zeros((B, HID))
+    for t in range(T):
+        h, y = step({"params": variables["params"]["cell"]}, None, h, x[:, T - 1 - t])[0]
+        np.testing.assert_allclose(backward[:, t], y, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(kept[:, T - 1 - t], y, rtol=1e-6, atol=1e-6)
+
+
+def test_rnn_unbatched_sequence_equals_linen(rng):
+    x = normal(rng, T, IN)
+    variables = linen_rnn_variables("lstm")
+    expected = linen_apply(nn.RNN(linen("lstm"), return_carry=True), variables, x)
+    got, _ = lm.transform(RNN(ours("lstm"), return_carry=True)).apply(variables, None, x)
+    assert_close(got, expected)
+
+
+def test_rnn_initial_carry_equals_linen(rng):
+    x = sequences(rng)
+    carry = random_carry("lstm", rng)
+    variables = linen_rnn_variables("lstm")
+    expected = linen_apply(
+        nn.RNN(linen("lstm"), return_carry=True), variables, x, initial_carry=carry
+    )
+    _, apply = lm.transform(RNN(ours("lstm"), return_carry=True))
+    got, _ = apply(variables, None, x, initial_carry=carry)
+    assert_close(got, expected)
+    zero, _ = apply(variables, None, x)
+    assert not np.allclose(zero[1], got[1])  # the carry is used
+    positional, _ = apply(variables, None, x, carry)
+    assert_close(positional, got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("lstm", {}),
+        ("lstm", {"reverse": True}),
+        ("lstm", {"time_major": True, "reverse": True, "keep_order": True}),
+        ("gru", {"reverse": True, "keep_order": True}),
+    ],
+    ids=lambda o: "-".join(o) or "forward" if isinstance(o, dict) else o,
+)
+def test_rnn_seq_lengths_equal_linen(rng, kind, options):
+    """Outputs (padding steps included) and the carry after each sequence's last step."""
+    options = {**options, "return_carry": True}
+    x = sequences(rng, options.get("time_major", False))
+    lengths = jnp.array([T, 2, 1])
+    variables = linen_rnn_variables(kind)
+    expected = linen_apply(nn.RNN(linen(kind), **options), variables, x, seq_lengths=lengths)
+    got, _ = lm.transform(RNN(ours(kind), **options)).apply(variables, None, x, seq_lengths=lengths)
+    assert_close(got, expected)
+    if options.get("keep_order"):  # without return_carry: the same outputs
+        options["return_carry"] = False
+        outputs, _ = lm.transform(RNN(ours(kind), **options)).apply(
+            variables, None, x, seq_lengths=lengths
+        )
+        assert_close(outputs, expected[1])
+
+
+def test_rnn_seq_lengths_several_batch_axes_and_zero_length(rng):
+    """The carry stops at each sequence's end, for any batch shape; a length of 0 keeps the
+    initial carry (Linen's carry selection handles one batch axis and lengths >= 1 only)."""
+    x = normal(rng, 2, B, T, IN)
+    lengths = jnp.array([[T, 3, 0], [1, 5, 2]])
+    initial = random_carry("lstm", rng, (2, B))
+    variables = linen_rnn_variables("lstm")
+    _, apply = lm.transform(RNN(LSTMCell(IN, HID), return_carry=True))
+    (c, h), y = apply(variables, None, x, initial, lengths)[0]
+    assert c.shape == h.shape == (2, B, HID) and y.shape == (2, B, T, HID)
+    # Linen, on the batch flattened to one axis (its carry selection needs one batch axis)
+    flat = jax.tree.map(lambda a: a.reshape(2 * B, *a.shape[2:]), (x, initial, lengths))
+    (ce, he), ye = linen_apply(
+        nn.RNN(linen("lstm"), return_carry=True),
+        variables,
+        flat[0],
+        initial_carry=flat[1],
+        seq_lengths=flat[2],
+    )
+    np.testing.assert_allclose(y.reshape(2 * B, T, HID), ye, rtol=1e-6, atol=1e-6)
+    valid = np.asarray(flat[2]) > 0  # Linen's carry for a length of 0 is the last step's
+    np.testing.assert_allclose(c.reshape(2 * B, HID)[valid], ce[valid], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(h.reshape(2 * B, HID)[valid], he[valid], rtol=1e-6, atol=1e-6)
+    # length 0: the initial carry, unchanged
+    np.testing.assert_array_equal(c[0, 2], initial[0][0, 2])
+    np.testing.assert_array_equal(h[0, 2], initial[1][0, 2])
+
+
+def test_flip_sequences_equals_linen(rng):
+    from flax.linen.recurrent import flip_sequences as linen_flip
+
+    x = normal(rng, B, T, 2)
+    lengths = jnp.array([T, 2, 0])
+    for time_major, data in [(False, x), (True, jnp.swapaxes(x, 0, 1))]:
+        for seq in [None, lengths]:
+            np.testing.assert_array_equal(
+                flip_sequences(data, seq, 1, time_major),
+                jax.jit(linen_flip, static_argnums=(2, 3))(data, seq, 1, time_major),
+            )
+
+
+class Bidirectional(lm.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.forward_rnn = RNN(ours(kind), return_carry=True)
+        self.backward_rnn = RNN(ours(kind), reverse=True, keep_order=True, return_carry=True)
+
+    def __call__(self, x, seq_lengths):
+        carry_f, y_f = self.forward_rnn(x, seq_lengths=seq_lengths)
+        carry_b, y_b = self.backward_rnn(x, seq_lengths=seq_lengths)
+        return (carry_f, carry_b), jnp.concatenate([y_f, y_b], axis=-1)
+
+
+def test_bidirectional_equals_linen(rng):
+    x = sequences(rng)
+    lengths = jnp.array([4, T, 1])
+    module = nn.Bidirectional(nn.RNN(linen("gru")), nn.RNN(linen("gru")), return_carry=True)
+    variables = {
+        "params": {
+            "forward_rnn": linen_rnn_variables("gru", 0)["params"],
+            "backward_rnn": linen_rnn_variables("gru", 1)["params"],
+        }
+    }
+    init, apply = lm.transform(Bidirectional("gru"))
+    assert abstract(jax.eval_shape(init, jax.random.key(0))) == abstract(
+        jax.eval_shape(lambda: module.init(jax.random.key(0), x))
+    )
+    got, _ = apply(variables, None, x, lengths)
+    assert_close(got, linen_apply(module, variables, x, seq_lengths=lengths))
+
+
+def test_rnn_gradients_equal_linen(rng):
+    """With respect to the parameters, the inputs and the initial carry; through reverse,
+    keep_order, seq_lengths and the final carry."""
+    x = sequences(rng)
+    lengths = jnp.array([T, 3, 1])
+    carry = random_carry("lstm", rng)
+    options = {"return_carry": True, "reverse": True, "keep_order": True}
+    variables = linen_rnn_variables("lstm")
+    module = nn.RNN(linen("lstm"), **options)
+    _, apply = lm.transform(RNN(ours("lstm"), **options))
+
+    def losses(out):  # of the final carry, and of the outputs
+        final, y = out
+        return jnp.stack([sum(jnp.sum(jnp.sin(a)) for a in jax.tree.leaves(final)), jnp.sum(y**2)])
+
+    def loss_ours(v, x, c):
+        return losses(apply(v, None, x, c, lengths)[0])
+
+    def loss_linen(v, x, c):
+        return jnp.sum(losses(module.apply(v, x, initial_carry=c, seq_lengths=lengths)))
+
+    # one compiled program for both rows: the gradients of each loss
+    rows = jax.jit(jax.jacrev(loss_ours, argnums=(0, 1, 2)))(variables, x, carry)
+    g_ours = jax.tree.map(lambda g: g[0] + g[1], rows)
+    g_linen = jax.jit(jax.grad(loss_linen, argnums=(0, 1, 2)))(variables, x, carry)
+    assert_close(g_ours, g_linen, rtol=1e-5, atol=1e-6)
+    assert np.abs(g_ours[0]["params"]["cell"]["hf"]["kernel"]).sum() > 0
+    # padding steps do not reach the final carry: only the outputs depend on them
+    g_carry_only = rows[1][0]
+    for b, length in enumerate(lengths.tolist()):
+        np.testing.assert_array_equal(g_carry_only[b, length:], 0.0)
+        assert np.all(np.abs(g_carry_only[b, :length]).sum(axis=-1) > 0)
+
+
+def test_rnn_under_jit_and_new_weights_each_call(rng):
+    """Jitted and eager calls give Linen's outputs for each set of weights: nothing traced
+    with one call's weights is reused by the next."""
+    x = sequences(rng)
+    module = nn.RNN(linen("gru"), return_carry=True)
+    _, apply = lm.transform(RNN(ours("gru"), return_carry=True))
+    jitted, reference = jax.jit(apply), jax.jit(module.apply)
+    for seed in (0, 1):
+        variables = linen_rnn_variables("gru", seed)
+        expected = reference(variables, x)
+        assert_close(apply(variables, None, x)[0], expected)
+        assert_close(jitted(variables, None, x)[0], expected)
+    assert jitted._cache_size() == 1
+
+
+def test_rnn_under_vmap(rng):
+    x = sequences(rng)
+    variables = linen_rnn_variables("gru")
+    _, apply = lm.transform(RNN(ours("gru")))
+    batched, _ = jax.vmap(lambda s: apply(variables, None, s))(x)
+    np.testing.assert_allclose(batched, apply(variables, None, x)[0], rtol=1e-6, atol=1e-6)
+
+
+class SimpleCell(lm.Module):
+    """A cell of the user's own, with Linen `SimpleCell`'s variables: RNN scans any cell."""
+
+    def __init__(self):
+        super().__init__()
+        self.i = lm.Dense(IN, HID)
+        self.h = lm.Dense(HID, HID, use_bias=False)
+
+    def initialize_carry(self, batch_shape):
+        return jnp.zeros((*batch_shape, HID))
+
+    def __call__(self, carry, x):
+        new = jnp.tanh(self.i(x) + self.h(carry))
+        return new, new
+
+
+def test_rnn_of_another_cell_equals_linen(rng):
+    x = sequences(rng)
+    lengths = jnp.array([T, 2, 4])
+    options = {"return_carry": True, "reverse": True, "keep_order": True}
+    module = nn.RNN(nn.SimpleCell(HID), **options)
+    _, apply = lm.transform(RNN(SimpleCell(), **options))
+    linen_init = jax.jit(module.init)
+    reference = jax.jit(lambda v, x, lengths: module.apply(v, x, seq_lengths=lengths))
+    for seed in (0, 1):  # new weights each call: the scan body is traced anew
+        variables = linen_init(jax.random.key(seed), x)
+        for seq_lengths in (lengths, None):  # two code paths
+            got, _ = apply(variables, None, x, seq_lengths=seq_lengths)
+            assert_close(got, reference(variables, x, seq_lengths))
+
+
+def test_rnn_bfloat16_compute_float32_storage_equals_linen(rng):
+    mixed = {"dtype": jnp.bfloat16, "param_dtype": jnp.float32}
+    x = sequences(rng)
+    variables = linen_rnn_variables("lstm")
+    with jax.numpy_dtype_promotion("standard"):
+        expected = linen_apply(nn.RNN(linen("lstm", **mixed), return_carry=True), variables, x)
+    got, _ = lm.transform(RNN(ours("lstm", **mixed), return_carry=True)).apply(variables, None, x)
+    assert {leaf.dtype for leaf in jax.tree.leaves(got)} == {jnp.dtype(jnp.float32)}
+    assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rnn_bfloat16_throughout(rng):
+    """dtype=bfloat16 alone stores bfloat16 too, and the carry stays bfloat16. (Orthogonal
+    initialisation has no bfloat16 QR on CPU, in Linen as here, so the weights are cast.)"""
+    x = sequences(rng).astype(jnp.bfloat16)
+    init, apply = lm.transform(RNN(ours("gru", dtype=jnp.bfloat16), return_carry=True))
+    assert {a.dtype for a in jax.tree.leaves(jax.eval_shape(init, jax.random.key(0)))} == {
+        jnp.dtype(jnp.bfloat16)
+    }
+    variables = jax.tree.map(lambda a: a.astype(jnp.bfloat16), linen_rnn_variables("gru"))
+    got, _ = apply(variables, None, x)
+    assert {leaf.dtype for leaf in jax.tree.leaves(got)} == {jnp.dtype(jnp.bfloat16)}
+    reference, _ = lm.transform(RNN(ours("gru"), return_carry=True)).apply(
+        jax.tree.map(lambda a: a.astype(jnp.float32), variables), None, x.astype(jnp.float32)
+    )
+    np.testing.assert_allclose(got[1].astype(jnp.float32), reference[1], atol=5e-2)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_cell_wrong_input_size(kind):
+    cell = ours(kind)
+    _, apply = lm.transform(cell)
+    variables = linen_cell_variables(kind)
+    name = type(cell).__name__
+    with pytest.raises(
+        ValueError,
+        match=rf"{name}\(in_features=3, hidden_features=4\) got an input of shape \(3, 5\): "
+        r"its last axis must be in_features=3, got 5\. Pass an input of shape \(\.\.\., 3\), or "
+        r"build the layer with in_features=5",
+    ):
+        apply(variables, None, cell.initialize_carry((B,)), jnp.ones((B, 5)))
+    with pytest.raises(
+        ValueError,
+        match=r"got an input of shape \(\): its last axis must be in_features=3, but a scalar "
+        r"has none",
+    ):
+        apply(variables, None, cell.initialize_carry(()), jnp.ones(()))
+
+
+def test_cell_wrong_carry():
+    lstm, gru = LSTMCell(IN, HID), GRUCell(IN, HID)
+    x = jnp.ones((2, IN))
+    lstm_apply = functools.partial(lm.transform(lstm).apply, linen_cell_variables("lstm"), None)
+    gru_apply = functools.partial(lm.transform(gru).apply, linen_cell_variables("gru"), None)
+    with pytest.raises(
+        ValueError,
+        match=r"got a carry of shapes \(\(3, 4\), \(3, 4\)\) for an input with batch shape "
+        r"\(2,\); the carry must be a tuple \(c, h\) with shapes \(\(2, 4\), \(2, 4\)\).*"
+        r"initialize_carry\(\(2,\)\)",
+    ):
+        lstm_apply(lstm.initialize_carry(3), x)
+    with pytest.raises(ValueError, match=r"got a carry of shapes \(2, 4\).*a tuple \(c, h\)"):
+        lstm_apply(jnp.zeros((2, HID)), x)
+    with pytest.raises(ValueError, match=r"\[\(2, 4\), \(2, 4\)\].*a tuple \(c, h\)"):
+        lstm_apply(list(lstm.initialize_carry(2)), x)
+    with pytest.raises(ValueError, match=r"the carry must be one array h with shapes \(2, 4\)"):
+        gru_apply(lstm.initialize_carry(2), x)
+    with pytest.raises(ValueError, match=r"got a carry of shapes \(2, 5\).*\(2, 4\)"):
+        gru_apply(jnp.zeros((2, 5)), x)
+
+
+@pytest.mark.parametrize("time_major", [False, True])
+def test_rnn_wrong_input_size(time_major):
+    _, apply = lm.transform(RNN(LSTMCell(IN, HID), time_major=time_major))
+    with pytest.raises(
+        ValueError,
+        match=r"RNN\(LSTMCell\(in_features=3\)\) got inputs of shape \(3, 6, 5\): its last axis "
+        r"must be in_features=3, got 5\..*in_features=5",
+    ):
+        apply(linen_rnn_variables("lstm"), None, jnp.ones((B, T, 5)))
+
+
+@pytest.mark.parametrize("time_major", [False, True])
+def test_rnn_inputs_of_too_low_rank(time_major):
+    _, apply = lm.transform(RNN(GRUCell(IN, HID), time_major=time_major))
+    layout = r"\(time, \*batch, \*features\)" if time_major else r"\(\*batch, time, \*features\)"
+    with pytest.raises(
+        ValueError,
+        match=rf"RNN\(time_major={time_major}\) expects inputs of shape {layout}, with at least 2 "
+        r"axes \(time and 1 feature axis\), got shape \(3,\).*x\[\.\.\., None\]",
+    ):
+        apply(linen_rnn_variables("gru"), None, jnp.ones(IN))
+
+
+def test_rnn_initial_carry_of_wrong_shape():
+    rnn = RNN(LSTMCell(IN, HID), time_major=True)
+    _, apply = lm.transform(rnn)
+    variables = linen_rnn_variables("lstm")
+    x = jnp.ones((T, 2, IN))  # time-major: batch shape (2,)
+    batch_major_carry = rnn.cell.initialize_carry((T,))
+    with pytest.raises(
+        ValueError,
+        match=r"RNN got an initial_carry of shapes \(\(6, 4\), \(6, 4\)\), but its cell LSTMCell "
+        r"needs a carry of shapes \(\(2, 4\), \(2, 4\)\) for inputs of shape \(6, 2, 3\) \(batch "
+        r"shape \(2,\), time_major=True\)\. Create one with rnn\.cell\.initialize_carry\(\(2,\)\)",
+    ):
+        apply(variables, None, x, batch_major_carry)
+    with pytest.raises(ValueError, match=r"initial_carry of shapes \(2, 4\), but"):
+        apply(variables, None, x, jnp.zeros((2, HID)))
+    init, apply_simple = lm.transform(RNN(SimpleCell()))
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape), jax.eval_shape(init, jax.random.key(0)))
+    with pytest.raises(ValueError, match=r"initial_carry of shapes \(2, 5\), but its cell "):
+        apply_simple(zeros, None, jnp.ones((2, T, IN)), jnp.zeros((2, 5)))
+
+
+def test_rnn_bad_seq_lengths():
+    _, apply = lm.transform(RNN(GRUCell(IN, HID), return_carry=True))
+    variables = linen_rnn_variables("gru")
+    x = jnp.ones((2, T, IN))
+    with pytest.raises(
+        ValueError,
+        match=r"seq_lengths must have the batch shape \(2,\) of inputs of shape \(2, 6, 3\) "
+        r"\(time_major=False\), one length per sequence; got shape \(6,\)",
+    ):
+        apply(variables, None, x, seq_lengths=jnp.arange(T))
+    with pytest.raises(TypeError, match=r"seq_lengths must be integers, got dtype float32"):
+        apply(variables, None, x, seq_lengths=jnp.array([1.0, 2.0]))
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match=r"LSTMCell: in_features must be a positive int, got 0"):
+        LSTMCell(0, HID)
+    with pytest.raises(TypeError, match=r"GRUCell: hidden_features must be a positive int"):
+        GRUCell(IN, "4")
+    assert GRUCell(np.int64(IN), HID).in_features == IN
+    with pytest.raises(TypeError, match=r"LSTMCell: param_dtype must be a dtype such as"):
+        LSTMCell(IN, HID, param_dtype="f32x")
+    with pytest.raises(TypeError, match=r"GRUCell: gate_fn must be a function"):
+        GRUCell(IN, HID, gate_fn="sigmoid")
+    with pytest.raises(TypeError, match=r"RNN's cell must be a cell module.*got Dense"):
+        RNN(lm.Dense(IN, HID))
+    with pytest.raises(ValueError, match=r"RNN: unroll must be a positive int.*got 0"):
+        RNN(GRUCell(IN, HID), unroll=0)
+    with pytest.raises(TypeError, match=r"LSTMCell.initialize_carry takes the batch shape"):
+        LSTMCell(IN, HID).initialize_carry((2, IN, -1))
