@@ -19,14 +19,30 @@ Example:
 from . import data as data
 from . import initializers as initializers
 from . import utils as utils
+from ._core.autodiff import DiffState as DiffState
+from ._core.autodiff import grad as grad
+from ._core.autodiff import value_and_grad as value_and_grad
 from ._core.errors import FrozenModuleError as FrozenModuleError
 from ._core.errors import ImmutableVariableError as ImmutableVariableError
 from ._core.errors import RngError as RngError
 from ._core.errors import UnboundVariableError as UnboundVariableError
 from ._core.errors import VariablesError as VariablesError
+from ._core.filters import All as All
+from ._core.filters import Any as Any
+from ._core.filters import Everything as Everything
+from ._core.filters import Not as Not
+from ._core.filters import Nothing as Nothing
+from ._core.filters import OfType as OfType
+from ._core.filters import PathContains as PathContains
+from ._core.filters import WithTag as WithTag
+from ._core.filters import to_predicate as to_predicate
 from ._core.module import Module as Module
 from ._core.rng import PRNGKeys as PRNGKeys
 from ._core.rng import next_rng_key as next_rng_key
+from ._core.selection import filter_variables as filter_variables
+from ._core.selection import mask as mask
+from ._core.selection import merge as merge
+from ._core.selection import split as split
 from ._core.transform import Transformed as Transformed
 from ._core.transform import assign_variables as assign_variables
 from ._core.transform import transform as transform
@@ -47,6 +63,8 @@ from .nn import Embed as Embed
 from .nn import GroupNorm as GroupNorm
 from .nn import GRUCell as GRUCell
 from .nn import LayerNorm as LayerNorm
+from .nn import LoRA as LoRA
+from .nn import LoRAParam as LoRAParam
 from .nn import LSTMCell as LSTMCell
 from .nn import MultiHeadAttention as MultiHeadAttention
 from .nn import RMSNorm as RMSNorm
@@ -58,6 +76,7 @@ from .nn import dropout as dropout
 from .nn import make_attention_mask as make_attention_mask
 from .nn import make_causal_mask as make_causal_mask
 from .nn import max_pool as max_pool
+from .nn import merge_lora as merge_lora
 from .nn import min_pool as min_pool
 
 __version__ = "0.1.0"

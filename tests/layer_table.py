@@ -180,6 +180,20 @@ LAYERS = [
         output_in_dtype=False,
     ),
     LayerCase(
+        "lora_dense",
+        lambda t, p: lm.LoRA(
+            lm.Dense(5, 4, **d(t, p)), rank=2, alpha=4.0, b_init=lm.initializers.normal(0.5)
+        ),
+        args(normal(3, 5)),
+    ),
+    LayerCase(
+        "lora_conv",
+        lambda t, p: lm.LoRA(
+            lm.Conv(3, 4, (3, 3), **d(t, p)), rank=2, b_init=lm.initializers.normal(0.5)
+        ),
+        args(normal(2, 5, 5, 3)),
+    ),
+    LayerCase(
         "sequential",
         lambda t, p: lm.Sequential(
             lm.Dense(5, 8, **d(t, p)),

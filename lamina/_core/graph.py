@@ -70,6 +70,43 @@ def walk(root: Any) -> Iterator[tuple[Path, Node]]:
     yield from visit((), root)
 
 
+def substitute(root: Module, replacements: dict[int, Any]) -> None:
+    """Replaces in place every reference, anywhere under `root`, to the objects keyed by id.
+
+    Attributes, list items and dict values are reassigned; a tuple that holds a replaced
+    object is rebuilt. Shared objects are replaced at every path, so tying survives surgery.
+
+    Args:
+        root: The model to edit (not a snapshot that is being applied).
+        replacements: ``{id(old): new}``.
+    """
+    seen: set[int] = set()
+
+    def visit(node: Any) -> Any:
+        if id(node) in replacements:
+            return replacements[id(node)]
+        if isinstance(node, Module):
+            if id(node) not in seen:
+                seen.add(id(node))
+                for key, child in list(children(node)):
+                    new = visit(child)
+                    if new is not child:
+                        setattr(node, str(key), new)
+            return node
+        if isinstance(node, list):
+            node[:] = [visit(child) for child in node]
+        elif isinstance(node, dict):
+            for key in list(node):
+                node[key] = visit(node[key])
+        elif isinstance(node, tuple):
+            items = [visit(child) for child in node]
+            if any(new is not old for new, old in zip(items, node, strict=True)):
+                return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
+        return node
+
+    visit(root)
+
+
 @dataclass(frozen=True, eq=False)
 class VariableEntry:
     """One variable of a plan.

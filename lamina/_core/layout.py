@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import VariablesError, format_list
-from .graph import FlatKey, Plan
+from .graph import FlatKey, Plan, VariableEntry
 
 
 def flatten_variables(variables: Any, what: str = "variables") -> dict[FlatKey, Any]:
@@ -92,27 +92,34 @@ def bind_variables(plan: Plan, variables: Any, what: str) -> list:
 
 def _bind_checked(plan: Plan, variables: Any, what: str) -> list:
     flat = flatten_variables(variables, f"{what}'s variables")
-    check_variables(plan, flat, what, strict=True)
+    check_variables(plan, flat, what)
     return [_as_array(flat[entry.key]) for entry in plan.variables]
 
 
-def check_variables(plan: Plan, flat: dict[FlatKey, Any], what: str, strict: bool) -> None:
+def check_variables(
+    plan: Plan,
+    flat: dict[FlatKey, Any],
+    what: str,
+    allow_missing: bool = False,
+    allow_unexpected: bool = False,
+) -> None:
     """Raises one `VariablesError` listing every mismatch between `flat` and `plan`.
 
     Args:
         plan: The model's plan.
         flat: Variables flattened by `flatten_variables`.
         what: Where the check happens, for messages.
-        strict: Whether missing and unexpected paths are errors (shape mismatches always are).
+        allow_missing: Whether the model may have variables that `flat` lacks.
+        allow_unexpected: Whether `flat` may hold paths the model lacks. Shape mismatches are
+            always errors.
     """
     problems = []
-    if strict:
-        missing = [entry.name for entry in plan.variables if entry.key not in flat]
-        unexpected = ["/".join(key) for key in flat if key not in plan.index]
-        if missing:
-            problems.append(f"missing ({len(missing)}): {format_list(missing)}")
-        if unexpected:
-            problems.append(f"unexpected ({len(unexpected)}): {format_list(unexpected)}")
+    missing = [] if allow_missing else [e.name for e in plan.variables if e.key not in flat]
+    unexpected = [] if allow_unexpected else ["/".join(k) for k in flat if k not in plan.index]
+    if missing:
+        problems.append(f"missing ({len(missing)}): {format_list(missing)}")
+    if unexpected:
+        problems.append(f"unexpected ({len(unexpected)}): {format_list(unexpected)}")
     wrong = []
     for entry in plan.variables:
         if entry.key in flat:
@@ -129,7 +136,7 @@ def check_variables(plan: Plan, flat: dict[FlatKey, Any], what: str, strict: boo
         "changing the model, run init again or carry weights over with lm.assign_variables."
     )
     collections = {entry.collection for entry in plan.variables}
-    if strict and collections and not collections & {key[0] for key in flat}:
+    if unexpected and collections and not collections & {key[0] for key in flat}:
         hint = (
             f"The top-level keys should be collections ({', '.join(sorted(collections))}): "
             f"did you pass variables['params'] where {{'params': ...}} was expected?"
@@ -141,3 +148,22 @@ def check_variables(plan: Plan, flat: dict[FlatKey, Any], what: str, strict: boo
 
 def _as_array(leaf: Any) -> Any:
     return leaf if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else jnp.asarray(leaf)
+
+
+def present_variables(plan: Plan, variables: Any, what: str) -> list[tuple[VariableEntry, Any]]:
+    """The model's variables that `variables` holds, in the plan's order, with their arrays.
+
+    `variables` may hold a subset of the model's variables (``{"params": params}`` alone, or
+    one group of `split`); a path the model lacks, or a wrong shape, is an error.
+
+    Args:
+        plan: The model's plan.
+        variables: ``{collection: nested dict}``, complete or not.
+        what: The caller, for messages.
+
+    Returns:
+        ``(entry, array)`` pairs in the order of ``plan.variables``.
+    """
+    flat = flatten_variables(variables, f"{what}'s variables")
+    check_variables(plan, flat, what, allow_missing=True)
+    return [(entry, flat[entry.key]) for entry in plan.variables if entry.key in flat]

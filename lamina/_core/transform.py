@@ -282,7 +282,9 @@ def assign_variables(model: Module, variables: Variables, strict: bool = True) -
     flat = flatten_variables(variables, "assign_variables")
     result = _copy(model, "lm.assign_variables")
     plan = Plan(result)
-    check_variables(plan, flat, "assign_variables", strict)
+    check_variables(
+        plan, flat, "assign_variables", allow_missing=not strict, allow_unexpected=not strict
+    )
     for entry in plan.variables:
         if entry.key in flat:
             entry.state._assign_initial(flat[entry.key], entry.name)

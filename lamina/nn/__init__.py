@@ -12,6 +12,9 @@ from .conv import Conv as Conv
 from .conv import ConvTranspose as ConvTranspose
 from .linear import Dense as Dense
 from .linear import Embed as Embed
+from .lora import LoRA as LoRA
+from .lora import LoRAParam as LoRAParam
+from .lora import merge_lora as merge_lora
 from .multi_head_attention import MultiHeadAttention as MultiHeadAttention
 from .norm import GroupNorm as GroupNorm
 from .norm import LayerNorm as LayerNorm

@@ -1,0 +1,371 @@
+"""Low-rank adaptation (LoRA): `LoRA` wraps a `Dense` or `Conv`; `merge_lora` folds it back in.
+
+``LoRA(base, rank)`` computes ``base(x) + scale * (x @ lora_a @ lora_b)``: the base layer's
+weights stay as they are and two small `LoRAParam` matrices learn a low-rank update. Train the
+adapters alone by filtering on their type (``lm.grad(loss, model, lm.DiffState(0,
+lm.LoRAParam))``, ``lm.split(model, variables, lm.LoRAParam, ...)``); for inference,
+`merge_lora` folds ``scale * lora_a @ lora_b`` into the base kernels and returns a plain model.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .. import initializers
+from .._core.errors import Path, VariablesError, format_list, format_path
+from .._core.graph import Plan, substitute, walk
+from .._core.layout import nest, present_variables
+from .._core.module import Module
+from .._core.variables import Initializer, Parameter
+from . import _checks
+from .conv import Conv, conv
+from .linear import Dense, dense
+
+Variables = dict[str, Any]
+
+
+class LoRAParam(Parameter):
+    """A parameter of a LoRA adapter (collection ``"params"``).
+
+    A distinct type, so that filters can pick the adapters out of a model's parameters:
+    ``lm.DiffState(0, lm.LoRAParam)``, ``lm.split(model, variables, lm.LoRAParam, ...)``,
+    ``lm.mask(model, variables, lm.LoRAParam)``.
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> model = lm.Sequential(lm.LoRA(lm.Dense(4, 3), rank=2), lm.Dense(3, 1))
+        >>> variables = lm.transform(model).init(jax.random.key(0))
+        >>> adapters, frozen = lm.split(model, variables, lm.LoRAParam, ...)
+        >>> sorted(adapters["params"]["layers_0"])
+        ['lora_a', 'lora_b']
+    """
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "dtype", "precision"))
+def lora_dense(
+    y: jax.Array,
+    x: jax.Array,
+    lora_a: jax.Array,
+    lora_b: jax.Array,
+    scale: float,
+    dtype: Any,
+    precision: Any = None,
+) -> jax.Array:
+    """``y + scale * (x @ lora_a @ lora_b)``, the products in `dtype`, the sum in `y`'s dtype.
+
+    `y` is the base layer's output; the products are two calls of the `dense` kernel.
+    """
+    hidden = dense(x, lora_a, None, dtype, precision)
+    update = scale * dense(hidden, lora_b, None, dtype, precision)
+    return y + update.astype(y.dtype)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "dtype", "strides", "padding", "dilation", "precision")
+)
+def lora_conv(
+    y: jax.Array,
+    x: jax.Array,
+    lora_a: jax.Array,
+    lora_b: jax.Array,
+    scale: float,
+    dtype: Any,
+    strides: tuple[int, ...],
+    padding: Any,
+    dilation: tuple[int, ...],
+    precision: Any = None,
+) -> jax.Array:
+    """``y + scale * conv(x, lora_a) @ lora_b``, the products in `dtype`, the sum in `y`'s dtype.
+
+    A convolution into ``rank`` channels with the base's window, strides, padding and dilation
+    (the `conv` kernel), then a 1x1 projection to the outputs (the `dense` kernel).
+    """
+    hidden = conv(x, lora_a, None, dtype, strides, padding, dilation, 1, precision)
+    update = scale * dense(hidden, lora_b, None, dtype, precision)
+    return y + update.astype(y.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def merge_kernel(
+    kernel: jax.Array, lora_a: jax.Array, lora_b: jax.Array, scale: float
+) -> jax.Array:
+    """``kernel + scale * lora_a @ lora_b``, contracting `lora_a`'s last (rank) axis.
+
+    Computed in float32 at least (float64 if any input is) at the highest precision, and
+    returned in `kernel`'s dtype: for a `Conv`, `lora_a` is ``(*window, in, rank)`` and the
+    result has the kernel's shape ``(*window, in, out)``.
+    """
+    wide = max(
+        (kernel.dtype, lora_a.dtype, lora_b.dtype, jnp.dtype(jnp.float32)),
+        key=lambda d: jnp.dtype(d).itemsize,
+    )
+    update = lax.dot_general(
+        lora_a.astype(wide),
+        lora_b.astype(wide),
+        (((lora_a.ndim - 1,), (0,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+    )
+    return (kernel.astype(wide) + scale * update).astype(kernel.dtype)
+
+
+class LoRA(Module):
+    """Low-rank adaptation of a `Dense` or `Conv` layer: ``base(x) + scale * x @ lora_a @ lora_b``.
+
+    The base layer's variables keep their names under ``base`` (``params/.../base/kernel``);
+    the adapters are two `LoRAParam`s, ``lora_a`` and ``lora_b``, and ``scale = alpha / rank``.
+    With the default ``b_init=zeros()`` the adapter starts as a no-op: the outputs equal the base
+    layer's exactly. Call it as the base: ``lora(x)``.
+
+    For a `Conv` (``groups=1`` only), ``lora_a`` is a convolution kernel with the base's window,
+    strides, padding and dilation into `rank` channels, of shape ``kernel_size + (in_size,
+    rank)``, and ``lora_b`` a 1x1 projection ``(rank, out_size)``; their product, contracted over
+    the rank axis, has the base kernel's shape.
+
+    The rank may be at most the rank the base's weight can have as a matrix:
+    ``min(in_size, out_size)`` for a `Dense`, ``min(prod(kernel_size) * in_size, out_size)``
+    for a `Conv` (its kernel seen as a ``(prod(kernel_size) * in_size, out_size)`` matrix). A
+    larger rank would only add parameters: ``lora_a @ lora_b`` could not have a higher rank.
+
+    Args:
+        base: The layer to adapt: a `Dense`, or a `Conv` with ``groups=1``. It is held, not
+            copied (``model.layer = lm.LoRA(model.layer, 8)`` adapts a layer in place).
+        rank: The rank of the update: an int from 1 to ``min(in_size, out_size)`` (a `Dense`)
+            or ``min(prod(kernel_size) * in_size, out_size)`` (a `Conv`).
+        alpha: The update's scale is ``alpha / rank`` (default: `rank`, so a scale of 1);
+            a positive number.
+        a_init: Initializer of ``lora_a`` (He uniform: fan-in ``in_size``, times the window
+            for a `Conv`).
+        b_init: Initializer of ``lora_b`` (zeros: the adapter starts as a no-op).
+        dtype: Compute dtype of the adapter (default: the base's compute dtype). Its update is
+            cast to the base's compute dtype and added there, so the output has the base's
+            dtype.
+        param_dtype: Storage dtype of the adapters (default: the base's storage dtype).
+
+    Raises:
+        TypeError: `base` is not a `Dense` or `Conv`.
+        ValueError: `rank` out of range, a non-positive `alpha`, or a `Conv` with groups != 1
+            (a `rank` or `alpha` of the wrong type raises a `TypeError` that is also a
+            `ValueError`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> layer = lm.LoRA(lm.Dense(16, 8), rank=2)
+        >>> init, apply = lm.transform(layer)
+        >>> variables = init(jax.random.key(0))
+        >>> jax.tree.map(jnp.shape, variables)  # doctest: +NORMALIZE_WHITESPACE
+        {'params': {'base': {'bias': (8,), 'kernel': (16, 8)},
+                    'lora_a': (16, 2), 'lora_b': (2, 8)}}
+        >>> x = jnp.ones((4, 16))
+        >>> base_apply = lm.transform(layer.base).apply
+        >>> y, _ = apply(variables, None, x)
+        >>> bool((y == base_apply({"params": variables["params"]["base"]}, None, x)[0]).all())
+        True
+    """
+
+    def __init__(
+        self,
+        base: Dense | Conv,
+        rank: int,
+        alpha: float | None = None,
+        a_init: Initializer = initializers.he_uniform(),
+        b_init: Initializer = initializers.zeros(),
+        dtype: Any = None,
+        param_dtype: Any = None,
+    ):
+        super().__init__()
+        if not isinstance(base, (Dense, Conv)):
+            hint = ""
+            if isinstance(base, LoRA):
+                hint = " It is already a LoRA; give the rank you want to one LoRA instead."
+            raise TypeError(
+                f"LoRA adapts a Dense or a Conv (groups=1) layer, got {type(base).__name__}.{hint}"
+            )
+        where = f"LoRA({base._describe()}, rank={rank!r})"
+        if isinstance(base, Conv) and base.groups != 1:
+            raise ValueError(
+                f"{where}: the base Conv has groups={base.groups}; LoRA supports groups=1 only "
+                f"(a grouped kernel has no single low-rank update)."
+            )
+        rank = _checks.positive_int(where, "rank", rank)
+        if isinstance(base, Conv):
+            fan_in = math.prod(base.kernel_size) * base.in_size
+            bound = f"min(prod(kernel_size) * in_size, out_size) = min({fan_in}, {base.out_size})"
+        else:
+            fan_in = base.in_size
+            bound = f"min(in_size, out_size) = min({fan_in}, {base.out_size})"
+        max_rank = min(fan_in, base.out_size)
+        if rank > max_rank:
+            raise ValueError(
+                f"{where}: rank must be at most {bound} = {max_rank}, the largest rank the "
+                f"base's weight can have; a larger rank only adds parameters. Use rank <= "
+                f"{max_rank}."
+            )
+        if alpha is None:
+            alpha = rank
+        if not _checks.is_real(alpha) or not (alpha > 0 and math.isfinite(alpha)):
+            error = ValueError if _checks.is_real(alpha) else _checks.SettingTypeError
+            raise error(
+                f"{where}: alpha must be a positive number (the update is scaled by "
+                f"alpha / rank), got {alpha!r}."
+            )
+        self.base = base
+        self.rank = rank
+        self.alpha = float(alpha)
+        self.scale = self.alpha / rank
+        kernel = base.kernel
+        self.dtype = kernel.dtype if dtype is None else _checks.as_dtype(where, "dtype", dtype)
+        if param_dtype is None:
+            param_dtype = kernel.param_dtype
+        window = base.kernel_size if isinstance(base, Conv) else ()
+        self.lora_a = LoRAParam((*window, base.in_size, rank), a_init, self.dtype, param_dtype)
+        self.lora_b = LoRAParam((rank, base.out_size), b_init, self.dtype, param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Applies the base layer to `x` and adds the low-rank update."""
+        base = self.base
+        y = base(x)
+        if isinstance(base, Conv):
+            return lora_conv(
+                y,
+                x,
+                self.lora_a.value,
+                self.lora_b.value,
+                self.scale,
+                self.dtype,
+                base.strides,
+                base.padding,
+                base.dilation,
+                base.precision,
+            )
+        return lora_dense(
+            y, x, self.lora_a.value, self.lora_b.value, self.scale, self.dtype, base.precision
+        )
+
+
+def merge_lora(model: Module, variables: Variables) -> tuple[Module, Variables]:
+    """Folds every `LoRA` adapter of `model` into its base layer, for inference.
+
+    Returns a copy of `model` in which each `LoRA` module is replaced by (a copy of) its base
+    layer, everywhere it is referenced (a LoRA module used twice becomes one base layer used
+    twice), and the variables of that copy: each base kernel becomes ``kernel + scale *
+    lora_a @ lora_b`` (computed in float32 at least, stored in the kernel's dtype), the
+    adapters are dropped, and every other variable, of any collection, is carried over. Paths
+    lose the ``base`` level: ``params/layer/base/kernel`` becomes ``params/layer/kernel``.
+    `model` and `variables` are left untouched; a model without LoRA modules comes back as a
+    plain copy.
+
+    Args:
+        model: A model holding `LoRA` modules.
+        variables: Its variables: all of them, or a subset that holds, for every LoRA, its base
+            kernel and both adapters (``{"params": variables["params"]}`` is enough).
+
+    Returns:
+        ``(merged_model, merged_variables)``; ``transform(merged_model).apply`` with
+        `merged_variables` computes what the LoRA model computes.
+
+    Raises:
+        TypeError: `model` is not a `Module`.
+        VariablesError: `variables` do not fit `model`, or lack a kernel or adapter to merge.
+        ValueError: A LoRA's base kernel is also used outside that LoRA (by the model
+            directly, or by another LoRA), so folding the update into it would change that
+            other use too.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> class Net(lm.Module):
+        ...     def __init__(self):
+        ...         self.hidden = lm.LoRA(lm.Dense(4, 8), rank=2)
+        ...         self.out = lm.Dense(8, 1)
+        ...     def __call__(self, x):
+        ...         return self.out(lm.relu(self.hidden(x)))
+        >>> model = Net()
+        >>> variables = lm.transform(model).init(jax.random.key(0))
+        >>> merged, merged_variables = lm.merge_lora(model, variables)
+        >>> type(merged.hidden).__name__, sorted(merged_variables["params"]["hidden"])
+        ('Dense', ['bias', 'kernel'])
+        >>> x = jnp.ones((2, 4))
+        >>> y, _ = lm.transform(model).apply(variables, None, x)
+        >>> y_merged, _ = lm.transform(merged).apply(merged_variables, None, x)
+        >>> bool(jnp.allclose(y, y_merged))
+        True
+    """
+    if not isinstance(model, Module):
+        raise TypeError(f"merge_lora takes an lm.Module, got {type(model).__name__}.")
+    merged = copy.deepcopy(model)
+    before = Plan(merged)
+    old_keys = {id(entry.state): entry.key for entry in before.variables}
+    present = dict(
+        (entry.key, leaf) for entry, leaf in present_variables(before, variables, "merge_lora")
+    )
+    loras = [(path, module) for path, module in before.modules if isinstance(module, LoRA)]
+    missing = [
+        "/".join(old_keys[id(state)])
+        for _, lora in loras
+        for state in (lora.base.kernel, lora.lora_a, lora.lora_b)
+        if old_keys[id(state)] not in present
+    ]
+    if missing:
+        raise VariablesError(
+            f"merge_lora needs every LoRA's base kernel and adapters, but variables lack "
+            f"({len(missing)}): {format_list(missing)}. Pass all the model's variables, or at "
+            f"least {{'params': variables['params']}}."
+        )
+    merged = _replace_loras(merged, loras)
+    folds = {id(lora.base.kernel): lora for _, lora in loras}
+    items = []
+    for entry in Plan(merged).variables:
+        old_key = old_keys[id(entry.state)]
+        if old_key not in present:
+            continue
+        value = present[old_key]
+        if id(entry.state) in folds:
+            lora = folds[id(entry.state)]
+            lora_a = present[old_keys[id(lora.lora_a)]]
+            lora_b = present[old_keys[id(lora.lora_b)]]
+            value = merge_kernel(value, lora_a, lora_b, lora.scale)
+        items.append((entry.key, value))
+    return merged, nest(items)
+
+
+def _replace_loras(root: Module, loras: list[tuple[Path, LoRA]]) -> Module:
+    """Replaces, in place, every LoRA module under `root` by its base; returns the new root.
+
+    Raises unless each base kernel is used by its own LoRA alone: folding an adapter into a
+    kernel that is also used elsewhere would change that other use too.
+    """
+    if not loras:
+        return root
+    if isinstance(root, LoRA):
+        return root.base  # the whole model is one LoRA: nothing else can use its base
+    owners: dict[int, Path] = {}  # the kernel that each LoRA's merge rewrites
+    for path, lora in loras:
+        kernel = id(lora.base.kernel)
+        if kernel in owners:
+            raise ValueError(
+                f"merge_lora: the LoRA modules at {format_path(owners[kernel])} and "
+                f"{format_path(path)} share their base kernel, but their adapters differ, so no "
+                f"single merged kernel computes both. Give each LoRA its own base layer, or "
+                f"share the whole LoRA module."
+            )
+        owners[kernel] = path
+    # Cut the LoRA modules out (placeholders): what the model still reaches of their bases is
+    # used elsewhere. Then put the bases where the placeholders are.
+    placeholders = {id(lora): Module() for _, lora in loras}
+    substitute(root, placeholders)
+    for path, node in walk(root):
+        if id(node) in owners:
+            raise ValueError(
+                f"merge_lora: the base kernel of the LoRA at {format_path(owners[id(node)])} is "
+                f"also used outside that LoRA, at {format_path(path)}; folding the adapter into "
+                f"it would change that use too. Give the LoRA its own copy of the layer "
+                f"(copy.deepcopy), or merge by hand."
+            )
+    substitute(root, {id(placeholders[id(lora)]): lora.base for _, lora in loras})
+    return root
