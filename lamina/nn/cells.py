@@ -10,6 +10,7 @@ it to `RNN` with the cell's variables, so that the whole scan is one compiled fu
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -117,7 +118,7 @@ def tree_shapes(tree: Any) -> Any:
     return jax.tree.map(lambda a: tuple(jnp.shape(a)), tree)
 
 
-class _Cell(Module):
+class _Cell(Module, abc.ABC):
     """What `LSTMCell` and `GRUCell` share: settings, gate layers, checks and the call."""
 
     num_feature_axes = 1  # the trailing axes that are features, not batch (as Linen's)
@@ -194,14 +195,17 @@ class _Cell(Module):
         shape = (*_batch_shape(type(self).__name__, batch_shape), self.hidden_features)
         return jnp.zeros(shape, self.param_dtype)
 
+    @abc.abstractmethod
     def _carry_shapes(self, batch: tuple[int, ...]) -> Any:
-        raise NotImplementedError
+        """The carry's shapes (a tree of tuples) for inputs of batch shape `batch`."""
 
+    @abc.abstractmethod
     def _weights(self) -> Any:
-        raise NotImplementedError
+        """The arrays the step kernel takes, read from the gate layers."""
 
+    @abc.abstractmethod
     def _kernel(self) -> _Kernel:
-        raise NotImplementedError
+        """The jitted step function with this cell's settings."""
 
     def __call__(self, carry: Carry, x: jax.Array) -> tuple[Carry, jax.Array]:
         """One step: ``(new_carry, y)`` for the carry and `x` of shape ``(*batch, in_features)``."""

@@ -246,6 +246,35 @@ class _Convolution(Module):
         self.padding = _padding(where, padding, n, paddings)
         self.dilation = _per_axis(where, "dilation", dilation, n)
 
+    def _declare_weights(
+        self,
+        channels: tuple[int, int],
+        use_bias: bool,
+        kernel_init: Initializer,
+        bias_init: Initializer,
+        dtype: Any,
+        param_dtype: Any,
+        precision: Any,
+        kernel_sharding: Any,
+        bias_sharding: Any,
+    ) -> None:
+        """Declares ``kernel`` (``kernel_size + channels``) and, with `use_bias`, ``bias``."""
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.precision = precision
+        self.kernel = Parameter(
+            (*self.kernel_size, *channels),
+            kernel_init,
+            dtype,
+            param_dtype,
+            sharding=kernel_sharding,
+        )
+        self.bias = (
+            Parameter((self.out_size,), bias_init, dtype, param_dtype, sharding=bias_sharding)
+            if use_bias
+            else None
+        )
+
     def _describe(self) -> str:
         return _layer_name(type(self).__name__, self.in_size, self.out_size, self.kernel_size)
 
@@ -329,20 +358,16 @@ class Conv(_Convolution):
                 f"out_size={out_size}; choose a groups that divides both (groups=1 for an "
                 f"ordinary convolution, groups=in_size for a depthwise one)."
             )
-        self.use_bias = use_bias
-        self.dtype = dtype
-        self.precision = precision
-        self.kernel = Parameter(
-            (*self.kernel_size, in_size // self.groups, out_size),
+        self._declare_weights(
+            (in_size // self.groups, out_size),
+            use_bias,
             kernel_init,
+            bias_init,
             dtype,
             param_dtype,
-            sharding=kernel_sharding,
-        )
-        self.bias = (
-            Parameter((out_size,), bias_init, dtype, param_dtype, sharding=bias_sharding)
-            if use_bias
-            else None
+            precision,
+            kernel_sharding,
+            bias_sharding,
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -422,23 +447,18 @@ class ConvTranspose(_Convolution):
     ):
         paddings = _CONV_TRANSPOSE_PADDINGS
         super().__init__(in_size, out_size, kernel_size, strides, padding, dilation, paddings)
-        self.use_bias = use_bias
-        self.dtype = dtype
-        self.precision = precision
         self.transpose_kernel = bool(transpose_kernel)
         in_size, out_size = self.in_size, self.out_size
-        channels = (out_size, in_size) if self.transpose_kernel else (in_size, out_size)
-        self.kernel = Parameter(
-            (*self.kernel_size, *channels),
+        self._declare_weights(
+            (out_size, in_size) if self.transpose_kernel else (in_size, out_size),
+            use_bias,
             kernel_init,
+            bias_init,
             dtype,
             param_dtype,
-            sharding=kernel_sharding,
-        )
-        self.bias = (
-            Parameter((out_size,), bias_init, dtype, param_dtype, sharding=bias_sharding)
-            if use_bias
-            else None
+            precision,
+            kernel_sharding,
+            bias_sharding,
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
