@@ -25,6 +25,7 @@ from ._core.autodiff import value_and_grad as value_and_grad
 from ._core.errors import FrozenModuleError as FrozenModuleError
 from ._core.errors import ImmutableVariableError as ImmutableVariableError
 from ._core.errors import RngError as RngError
+from ._core.errors import TraceContextError as TraceContextError
 from ._core.errors import UnboundVariableError as UnboundVariableError
 from ._core.errors import VariablesError as VariablesError
 from ._core.filters import All as All
@@ -43,8 +44,11 @@ from ._core.selection import filter_variables as filter_variables
 from ._core.selection import mask as mask
 from ._core.selection import merge as merge
 from ._core.selection import split as split
+from ._core.transform import AssignReport as AssignReport
 from ._core.transform import Transformed as Transformed
+from ._core.transform import apply as apply
 from ._core.transform import assign_variables as assign_variables
+from ._core.transform import init as init
 from ._core.transform import transform as transform
 from ._core.variables import BatchStat as BatchStat
 from ._core.variables import Cache as Cache

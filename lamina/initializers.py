@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Axes = int | Sequence[int]
 
@@ -50,10 +51,23 @@ __all__ = [
 class Initializer:
     """A named initializer: ``init(key, shape, dtype=float32) -> array``.
 
+    Two initializers compare equal only when they provably make the same arrays: `init`
+    initialises variables with equal initializers, shapes and dtypes in one vectorised call,
+    and caches that call's compiled program by this equality. The factories of this module
+    compare by their name and *every* argument; an `Initializer` built directly compares by its
+    function's identity.
+
     Args:
         name: The factory's name, for printing.
         fn: The function that makes the array.
-        config: The factory's arguments, for printing.
+        config: The settings to print.
+
+    Example:
+        >>> import lamina as lm
+        >>> lm.initializers.normal(0.02) == lm.initializers.normal(0.02)
+        True
+        >>> lm.initializers.lecun_normal() == lm.initializers.lecun_normal(in_axis=0)
+        False
     """
 
     # A pure function of its key: `init` may vectorise it over many variables' keys.
@@ -63,21 +77,20 @@ class Initializer:
         self.name = name
         self.fn = fn
         self.config = config
+        self._identity: tuple = ("fn", fn)
+
+    @classmethod
+    def _of(cls, name: str, fn: Any, arguments: dict[str, Any], **shown: Any) -> Initializer:
+        """An initializer made by factory `name` from all of its `arguments`."""
+        init = cls(name, fn, **shown)
+        init._identity = ("factory", name, _canonical(arguments))
+        return init
 
     def __eq__(self, other: object) -> bool:
-        return (
-            type(other) is type(self) and (self.name, self._key()) == (other.name, other._key())  # type: ignore[attr-defined]
-        )
+        return type(other) is type(self) and self._identity == other._identity
 
     def __hash__(self) -> int:
-        return hash((self.name, self._key()))
-
-    def _key(self) -> tuple:
-        # Settings by value where they are hashable (numbers, strings), else by identity.
-        return tuple(
-            (k, v if isinstance(v, (int, float, str, tuple, type(None))) else id(v))
-            for k, v in self.config.items()
-        )
+        return hash(self._identity)
 
     def __call__(self, key: Any, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
         """Makes an array of `shape` and `dtype` from `key`."""
@@ -88,44 +101,84 @@ class Initializer:
         return f"{self.name}({args})"
 
 
+class _ByIdentity:
+    """Compares equal to nothing but the same object (an array among the settings)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj  # held, so that its id cannot be reused while this exists
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ByIdentity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _canonical(value: Any) -> Any:
+    """A hashable form of a setting that is equal only for settings that act the same.
+
+    Scalars compare with their type (``1`` and ``1.0`` and ``True`` differ), sequences item by
+    item, mappings entry by entry; anything else (arrays, functions) by identity.
+    """
+    if value is None or isinstance(value, (bool, int, float, complex, str)):
+        return (type(value), value)
+    if isinstance(value, (np.generic, np.dtype)):
+        return (type(value), value.item() if isinstance(value, np.generic) else str(value))
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_canonical(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _canonical(v)) for k, v in value.items()))
+    return _ByIdentity(value)
+
+
 _DEFAULT_AXES = {"in_axis": -2, "out_axis": -1, "batch_axis": ()}
 
 
 def _scaling(name: str, in_axis: Axes, out_axis: Axes, batch_axis: Axes) -> Initializer:
     axes = {"in_axis": in_axis, "out_axis": out_axis, "batch_axis": batch_axis}
     fn = getattr(jax.nn.initializers, name)(**axes)
-    return Initializer(name, fn, **{k: v for k, v in axes.items() if v != _DEFAULT_AXES[k]})
+    shown = {k: v for k, v in axes.items() if v != _DEFAULT_AXES[k]}
+    return Initializer._of(name, fn, axes, **shown)
 
 
 def zeros() -> Initializer:
     """All zeros."""
-    return Initializer("zeros", jax.nn.initializers.zeros)
+    return Initializer._of("zeros", jax.nn.initializers.zeros, {})
 
 
 def ones() -> Initializer:
     """All ones."""
-    return Initializer("ones", jax.nn.initializers.ones)
+    return Initializer._of("ones", jax.nn.initializers.ones, {})
 
 
 def constant(value: Any) -> Initializer:
     """Every element equal to `value` (an array broadcasts to the shape)."""
-    return Initializer("constant", jax.nn.initializers.constant(value), value=value)
+    return Initializer._of(
+        "constant", jax.nn.initializers.constant(value), {"value": value}, value=value
+    )
 
 
 def normal(stddev: float = 1e-2) -> Initializer:
     """Normal with mean 0 and the given standard deviation."""
-    return Initializer("normal", jax.nn.initializers.normal(stddev), stddev=stddev)
+    return Initializer._of(
+        "normal", jax.nn.initializers.normal(stddev), {"stddev": stddev}, stddev=stddev
+    )
 
 
 def uniform(scale: float = 1e-2) -> Initializer:
     """Uniform on ``[0, scale)``."""
-    return Initializer("uniform", jax.nn.initializers.uniform(scale), scale=scale)
+    return Initializer._of(
+        "uniform", jax.nn.initializers.uniform(scale), {"scale": scale}, scale=scale
+    )
 
 
 def truncated_normal(stddev: float = 1e-2, lower: float = -2.0, upper: float = 2.0) -> Initializer:
     """Normal truncated to ``[lower, upper]`` standard deviations, then scaled by `stddev`."""
     fn = jax.nn.initializers.truncated_normal(stddev, lower=lower, upper=upper)
-    return Initializer("truncated_normal", fn, stddev=stddev, lower=lower, upper=upper)
+    config = {"stddev": stddev, "lower": lower, "upper": upper}
+    return Initializer._of("truncated_normal", fn, config, **config)
 
 
 def variance_scaling(
@@ -146,10 +199,26 @@ def variance_scaling(
         out_axis: Axes that count towards fan-out.
         batch_axis: Axes ignored by the fans.
     """
+    modes = ("fan_in", "fan_out", "fan_avg", "fan_geo_avg")
+    distributions = ("truncated_normal", "normal", "uniform")
+    if mode not in modes:
+        raise ValueError(f"variance_scaling: mode must be one of {modes}, got {mode!r}.")
+    if distribution not in distributions:
+        raise ValueError(
+            f"variance_scaling: distribution must be one of {distributions}, got {distribution!r}."
+        )
     fn = jax.nn.initializers.variance_scaling(
-        scale, mode, distribution, in_axis=in_axis, out_axis=out_axis, batch_axis=batch_axis
+        scale,
+        mode,  # type: ignore[arg-type]  # checked above
+        distribution,  # type: ignore[arg-type]
+        in_axis=in_axis,
+        out_axis=out_axis,
+        batch_axis=batch_axis,
     )
-    return Initializer("variance_scaling", fn, scale=scale, mode=mode, distribution=distribution)
+    shown = {"scale": scale, "mode": mode, "distribution": distribution}
+    axes = {"in_axis": in_axis, "out_axis": out_axis, "batch_axis": batch_axis}
+    shown.update({k: v for k, v in axes.items() if v != _DEFAULT_AXES[k]})
+    return Initializer._of("variance_scaling", fn, {**shown, **axes}, **shown)
 
 
 def lecun_normal(in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = ()) -> Initializer:
@@ -191,10 +260,12 @@ kaiming_uniform = he_uniform
 def orthogonal(scale: float = 1.0, column_axis: int = -1) -> Initializer:
     """A (scaled) orthogonal matrix, over all axes but `column_axis`."""
     fn = jax.nn.initializers.orthogonal(scale, column_axis)
-    return Initializer("orthogonal", fn, scale=scale, column_axis=column_axis)
+    config = {"scale": scale, "column_axis": column_axis}
+    return Initializer._of("orthogonal", fn, config, **config)
 
 
 def delta_orthogonal(scale: float = 1.0, column_axis: int = -1) -> Initializer:
     """Delta-orthogonal for convolution kernels (orthogonal at the centre, zero elsewhere)."""
     fn = jax.nn.initializers.delta_orthogonal(scale, column_axis)
-    return Initializer("delta_orthogonal", fn, scale=scale, column_axis=column_axis)
+    config = {"scale": scale, "column_axis": column_axis}
+    return Initializer._of("delta_orthogonal", fn, config, **config)

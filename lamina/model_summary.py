@@ -46,20 +46,22 @@ class Summary:
             owner_path = _owner(entry.path, owners)
             state = entry.state
             itemsize = np.dtype(state.param_dtype).itemsize
+            size = int(np.prod(entry.shape, dtype=np.int64))
             rows.append(
                 SummaryRow(
                     module_path=format_path(owner_path),
                     module_type=type(owners[owner_path]).__name__,
                     name=format_path(entry.path[len(owner_path) :]),
                     collection=state.collection,
-                    shape=state.shape,
+                    shape=entry.shape,
                     dtype=str(np.dtype(state.param_dtype)),
-                    size=state.size,
-                    bytes=state.size * itemsize,
+                    size=size,
+                    bytes=size * itemsize,
                 )
             )
         self.rows = rows
-        sizes, nbytes = Counter(), Counter()
+        sizes: Counter[str] = Counter()
+        nbytes: Counter[str] = Counter()
         for row in rows:
             sizes[row.collection] += row.size
             nbytes[row.collection] += row.bytes
@@ -154,9 +156,10 @@ def _owner(path: tuple, owners: dict) -> tuple:
     return ()
 
 
-def _human_bytes(n: int) -> str:
+def _human_bytes(count: int) -> str:
+    n = float(count)
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
-            return f"{n:,} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+            return f"{count:,} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
         n /= 1024
     return f"{n} B"

@@ -78,7 +78,8 @@ class AverageMeter:
         self._fold()
         if self._count == 0:
             raise ValueError("AverageMeter.compute: no update since the last reset.")
-        means = self._sums / self._count
+        assert self._sums is not None  # _fold made them, since _count > 0
+        means = np.asarray(self._sums / self._count)
         if self._keys is None:
             return float(means[0])
         return {key: float(mean) for key, mean in zip(self._keys, means, strict=True)}

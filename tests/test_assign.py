@@ -57,7 +57,7 @@ def test_non_strict_assigns_what_matches(getkey):
             "head": {"kernel": jnp.ones((5, 2))},
         }
     }
-    model = lm.assign_variables(Mlp(6, 5, 3), partial, strict=False)
+    model = lm.assign_variables(Mlp(6, 5, 3), partial, strict=False, allow_unexpected=True)
     variables = lm.transform(model).init(getkey())
     np.testing.assert_array_equal(variables["params"]["layer1"]["bias"], np.full(5, 2.0))
     assert not np.allclose(variables["params"]["layer2"]["kernel"], 2.0)
@@ -93,3 +93,40 @@ def test_assigned_values_survive_jit_init(getkey):
     init, _ = lm.transform(model)
     variables = jax.jit(init)(getkey())
     np.testing.assert_array_equal(variables["params"]["layer2"]["bias"], np.full(3, 3.0))
+
+
+def test_non_strict_still_refuses_a_misspelt_path():
+    typo = {"params": {"layer_1": pretrained()["params"]["layer1"]}}
+    with pytest.raises(lm.VariablesError, match=r"unexpected \(2\): params/layer_1/"):
+        lm.assign_variables(Mlp(6, 5, 3), typo, strict=False)
+
+
+def test_assigning_nothing_is_an_error():
+    with pytest.raises(lm.VariablesError, match=r"found none of Mlp's variables"):
+        lm.assign_variables(Mlp(6, 5, 3), {}, strict=False)
+
+
+def test_report_lists_assigned_missing_and_unexpected():
+    partial = {
+        "params": {"layer1": pretrained()["params"]["layer1"], "head": {"kernel": jnp.ones(2)}}
+    }
+    _, report = lm.assign_variables(
+        Mlp(6, 5, 3), partial, strict=False, allow_unexpected=True, return_report=True
+    )
+    assert report == lm.AssignReport(
+        assigned=("params/layer1/bias", "params/layer1/kernel"),
+        missing=("params/layer2/bias", "params/layer2/kernel"),
+        unexpected=("params/head/kernel",),
+    )
+
+
+@pytest.mark.parametrize("bad", ["ones", None, jax.ShapeDtypeStruct((6, 5), jnp.float32)])
+def test_assigning_a_non_array_is_an_error(bad):
+    variables = pretrained()
+    variables["params"]["layer1"]["kernel"] = bad
+    if bad is None:
+        with pytest.raises(lm.VariablesError, match=r"hold NoneType at params/layer1/kernel"):
+            lm.assign_variables(Mlp(6, 5, 3), variables)
+        return
+    with pytest.raises((TypeError, lm.VariablesError), match=r"params/layer1/kernel"):
+        lm.assign_variables(Mlp(6, 5, 3), variables)

@@ -82,7 +82,10 @@ def test_outside_call_is_an_error():
         ("key", "got str"),
         ({"dropout": 3}, "'dropout' stream is int"),
         ({1: jax.random.key(0)}, "stream names must be strings"),
-        (lm.PRNGKeys(jnp.ones(2)), "default stream is an array of dtype float32, not a PRNG key"),
+        (
+            lm.PRNGKeys(jnp.ones(2)),
+            r"default stream is an array of dtype float32 and shape \(2,\), not a PRNG key",
+        ),
     ],
 )
 def test_bad_rngs(rngs, match):

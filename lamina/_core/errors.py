@@ -28,6 +28,10 @@ class UnboundVariableError(RuntimeError):
     """A variable's value was read where it has none: outside `init`/`apply`."""
 
 
+class TraceContextError(RuntimeError):
+    """A key was drawn or a variable written inside a raw JAX transform begun inside a call."""
+
+
 def format_path(path: Sequence[Key], collection: str | None = None) -> str:
     """Writes a path the way messages show it: ``params/layers/0/kernel``.
 

@@ -3,18 +3,35 @@
 `init` and `apply` each open a `Frame`. Variables read and write through the innermost frame
 of their own plan, so a model may call another transformed model inside its own call, and a
 lifted transform can open a nested frame of the same plan.
+
+A frame also records JAX's trace state when it opens (as Haiku's ``check_jax_usage`` and
+Flax NNX's variables do). Drawing a key or writing a variable compares the trace state then
+with the one recorded: a mismatch means the code runs inside a raw JAX transform (``jax.vmap``,
+``jax.lax.scan``, ``jax.jit``, ``jax.checkpoint``...) that started *inside* the call, where a
+key would repeat on every iteration and a written value would be a tracer that leaks out.
+Transforms *around* ``apply`` are unaffected: the frame opens inside them.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import get_opaque_trace_state
 
-from .errors import ImmutableVariableError, UnboundVariableError, format_path
+from .errors import (
+    ImmutableVariableError,
+    TraceContextError,
+    UnboundVariableError,
+    VariablesError,
+    format_path,
+)
 
 if TYPE_CHECKING:
+    from .graph import Plan
     from .rng import RngStreams
     from .variables import State
 
@@ -31,53 +48,162 @@ def current_frame() -> Frame | None:
     return _LOCAL.frame
 
 
+def require_frame(what: str) -> Frame:
+    """Returns the innermost active frame, or raises: `what` runs only inside init/apply."""
+    frame = _LOCAL.frame
+    if frame is None:
+        raise RuntimeError(
+            f"{what} runs only inside init/apply: call the model through "
+            f"`init, apply = lm.transform(model)`."
+        )
+    return frame
+
+
 class Frame:
     """One `init` or `apply` call in progress.
 
     Attributes:
         plan: The plan whose variables this frame binds.
         values: One array per variable, in the plan's slot order; writes replace entries.
+        shapes: The shape each slot holds in this frame (the plan's stored shapes for a
+            top-level call; a lifted transform's inner frame holds per-member shapes).
         rngs: The call's random streams.
         phase: ``"init"`` or ``"apply"``.
         parent: The frame that was active when this one opened.
+        trace: JAX's trace state when the frame opened.
     """
 
-    __slots__ = ("parent", "phase", "plan", "rngs", "values")
+    __slots__ = ("inside", "parent", "phase", "plan", "rngs", "shapes", "trace", "values")
 
-    def __init__(self, plan: Any, values: list, rngs: RngStreams, phase: str):
+    def __init__(
+        self,
+        plan: Plan,
+        values: Any,
+        rngs: RngStreams,
+        phase: str,
+        shapes: list[tuple[int, ...]] | None = None,
+        inside: str | None = None,
+    ):
         self.plan = plan
         self.values = values
+        self.shapes = plan.shapes if shapes is None else shapes
         self.rngs = rngs
         self.phase = phase
+        self.inside = inside
         self.parent: Frame | None = None
+        self.trace: Any = None
 
     def __enter__(self) -> Frame:
         self.parent = _LOCAL.frame
+        self.trace = get_opaque_trace_state()
         _LOCAL.frame = self
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         _LOCAL.frame = self.parent
 
+    def check_trace(self, what: str, remedy: str) -> None:
+        """Raises `TraceContextError` if a raw JAX transform started since the frame opened.
+
+        Args:
+            what: What was attempted, for the message (``"next_rng_key('dropout')"``).
+            remedy: What to do instead.
+        """
+        if get_opaque_trace_state() != self.trace:
+            raise TraceContextError(
+                f"{what} inside a JAX transform (jax.vmap, jax.lax.scan, jax.jit, "
+                f"jax.checkpoint, jax.lax.cond, ...) that started inside this {self.phase} "
+                f"call. {remedy} Transforms around apply (jax.jit(apply), jax.vmap(apply)) "
+                f"are fine, and reading variables inside a transform is allowed."
+            )
+
+    def iterations(self, inside: str) -> Callable[[Any], Frame]:
+        """Frames for the iterations of a JAX transform that lamina runs over user code.
+
+        Call it before the transform; inside, open ``frame_for(i)`` around iteration `i`'s
+        user code. Each such frame reads this frame's variables and draws keys from its own
+        streams (forked here, folded with `i`), so keys differ per iteration; writing a
+        variable there is an error (nothing would carry the value out).
+
+        Args:
+            inside: What runs the iterations, for messages (``"RNN's cell MyCell"``).
+
+        Returns:
+            ``frame_for(index) -> Frame``.
+        """
+        forked = self.rngs.fork()
+
+        def frame_for(index: Any) -> Frame:
+            streams = self.rngs.for_iteration(forked, index)
+            return Frame(self.plan, self.values, streams, self.phase, self.shapes, inside)
+
+        return frame_for
+
     def write(self, state: State, value: Any) -> None:
         """Stores a new value for `state`, checking that it may be written and fits."""
+        where = where_is(state)
+        kind = type(state).__name__
+        if self.inside is not None:
+            raise TraceContextError(
+                f"{kind} at {where} was written inside {self.inside}, which runs it under a "
+                f"JAX transform: the written value would not be carried out of it. Keep state "
+                f"updates outside, or return the new value and write it afterwards."
+            )
         if not state.mutable:
             raise ImmutableVariableError(
-                f"{type(state).__name__} at {_where(state)} is immutable and cannot be written "
-                f"inside {self.phase}. Parameters change through the optimiser (new variables "
-                f"for the next call); for state that a call updates, declare "
-                f"lm.State({state.collection!r}, shape, init, mutable=True)."
+                f"{kind} at {where} is immutable and cannot be written inside {self.phase}. "
+                f"Parameters change through the optimiser (new variables for the next call); "
+                f"for state that a call updates, declare lm.State({state.collection!r}, shape, "
+                f"init, mutable=True)."
             )
-        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-            value = jnp.asarray(value)
-        if tuple(value.shape) != state.shape:
+        self.check_trace(
+            f"{kind} at {where} was written",
+            "The written value would be a tracer of that transform and leak out of it. Return "
+            "the new value from the transformed function and write it after the transform.",
+        )
+        value = _as_value(value, state, where)
+        slot: Any = state._lamina_slot
+        expected = self.shapes[slot]
+        if tuple(value.shape) != expected:
             raise ValueError(
-                f"cannot write a value of shape {tuple(value.shape)} to {type(state).__name__} "
-                f"at {_where(state)}, declared with shape {state.shape}."
+                f"cannot write a value of shape {tuple(value.shape)} to {kind} at {where}, "
+                f"declared with shape {expected}."
             )
-        if value.dtype != state.param_dtype:
-            value = value.astype(state.param_dtype)
-        self.values[state._lamina_slot] = value
+        target = state.param_dtype
+        if value.dtype != target:
+            if not _castable(value.dtype, target):
+                raise TypeError(
+                    f"cannot write a {value.dtype} value to {kind} at {where}, stored as "
+                    f"{target}: the cast would lose information (a float to an int drops the "
+                    f"fraction, a complex to a real drops the imaginary part). Convert it "
+                    f"explicitly (jnp.round(x).astype({target})) or declare the variable "
+                    f"with dtype={value.dtype}."
+                )
+            value = value.astype(target)
+        self.values[slot] = value
+
+
+def _as_value(value: Any, state: State, where: str) -> Any:
+    if hasattr(value, "shape") and hasattr(value, "dtype") and not _is_declaration(value):
+        return value
+    try:
+        return jnp.asarray(value)
+    except Exception as error:
+        raise TypeError(
+            f"cannot write {type(value).__name__} {value!r:.60} to {type(state).__name__} at "
+            f"{where}: expected an array or a number."
+        ) from error
+
+
+def _is_declaration(value: Any) -> bool:
+    from .variables import State
+
+    return isinstance(value, State)
+
+
+def _castable(source: Any, target: Any) -> bool:
+    """Whether writing `source` into a `target` variable keeps its kind of number."""
+    return bool(np.can_cast(source, target, casting="same_kind"))
 
 
 def frame_of(state: State) -> Frame:
@@ -92,24 +218,41 @@ def frame_of(state: State) -> Frame:
     if plan is None:
         if _LOCAL.frame is None:
             raise UnboundVariableError(
-                f"{kind}.value has no value outside init/apply: a declaration only describes "
-                f"the variable (shape {state.shape}, collection {state.collection!r}). "
-                f"Run `init, apply = lm.transform(model)` and read values from the dict "
-                f"that init/apply return, or read .value inside the model's methods."
+                f"{kind} has no value outside init/apply: a declaration only describes the "
+                f"variable (shape {state.shape}, collection {state.collection!r}). Run "
+                f"`init, apply = lm.transform(model)` and read values from the dict that "
+                f"init/apply return, or use the variable inside the model's methods."
             )
         raise UnboundVariableError(
             f"this {kind} (shape {state.shape}) is not part of the model being applied. "
             f"lm.transform works on a copy of the model, so objects from the original model "
             f"(or ones created during the call) have no value here. Reach variables through "
             f"`self` inside the model's methods; if you used to_callable, make it use its "
-            f"argument: `to_callable=lambda m: m.forward`."
+            f"argument: `to_callable=lambda m: m.forward`. lamina finds submodules and "
+            f"variables in a module's instance attributes and in lists, tuples and dicts of "
+            f"them, nothing else."
         )
     raise UnboundVariableError(
-        f"{kind} at {_where(state)} belongs to a transformed model that is not running: "
+        f"{kind} at {where_is(state)} belongs to a transformed model that is not running: "
         f"its value exists only inside that model's init/apply call."
     )
 
 
-def _where(state: State) -> str:
+def where_is(state: State) -> str:
+    """The path of a planned declaration as messages write it (``params/layer1/kernel``)."""
     path = state._lamina_path
     return format_path(path, state.collection) if path is not None else "<unplanned>"
+
+
+class PendingValues:
+    """Stands for `Frame.values` while `init` runs initializers: nothing is readable yet."""
+
+    def __getitem__(self, slot: int) -> Any:
+        raise UnboundVariableError(
+            "variables cannot be read while init runs their initializers: an initializer "
+            "receives (key, shape, dtype) and must not depend on other variables. Compute "
+            "derived values inside apply instead."
+        )
+
+    def __setitem__(self, slot: int, value: Any) -> None:
+        raise VariablesError("variables cannot be written while init runs their initializers.")

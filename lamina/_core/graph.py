@@ -8,8 +8,11 @@ and `State` once: an object reachable by two paths (weight tying) belongs to its
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +39,21 @@ def children(node: Any) -> Iterator[tuple[Key, Any]]:
         yield from enumerate(node)
 
 
+@contextlib.contextmanager
+def deep_recursion() -> Iterator[None]:
+    """Lets walks and copies descend models thousands of modules deep.
+
+    Python's default limit of 1000 frames allows a nesting of a few hundred modules; a
+    400-deep model is legitimate, so the walk and the copy raise the limit while they run.
+    """
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 50_000))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(old)
+
+
 def walk(root: Any) -> Iterator[tuple[Path, Node]]:
     """Yields ``(path, node)`` for every `Module` and `State` under `root`, each once.
 
@@ -57,10 +75,12 @@ def walk(root: Any) -> Iterator[tuple[Path, Node]]:
             yield path, node
             if isinstance(node, State):
                 return
+            _check_class_attributes(path, node)
         elif isinstance(node, (list, tuple, dict)):
             if id(node) in open_containers:
                 return  # a container that holds itself
         else:
+            _check_hidden(path, node)
             return
         open_containers.add(id(node))
         for key, child in children(node):
@@ -68,6 +88,74 @@ def walk(root: Any) -> Iterator[tuple[Path, Node]]:
         open_containers.discard(id(node))
 
     yield from visit((), root)
+
+
+_WHERE_LAMINA_LOOKS = (
+    "lamina finds submodules and variables in a module's instance attributes (set in "
+    "__init__) and in lists, tuples and dicts of them, nothing else"
+)
+
+
+def _check_path(path: Path) -> None:
+    for depth, key in enumerate(path):
+        if isinstance(key, str) and (not key or "/" in key):
+            raise ValueError(
+                f"{format_path(path[:depth]) if depth else 'the model'} holds a submodule or "
+                f"variable under the key {key!r}: keys name variables in the variables dict "
+                f"and in checkpoints, so they must be non-empty and contain no '/' (which "
+                f"separates path parts). Rename it, or nest dicts instead of joining names "
+                f"with '/'."
+            )
+
+
+_CLASS_NODES: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
+def _class_nodes(cls: type) -> tuple[tuple[str, Any], ...]:
+    """Modules and declarations defined in the body of `cls` or its bases (cached)."""
+    nodes = _CLASS_NODES.get(cls)
+    if nodes is None:
+        nodes = _CLASS_NODES[cls] = tuple(
+            (name, value)
+            for base in cls.__mro__
+            if base is not Module and base is not object
+            for name, value in vars(base).items()
+            if isinstance(value, (Module, State))
+        )
+    return nodes
+
+
+def _check_class_attributes(path: Path, module: Module) -> None:
+    for name, value in _class_nodes(type(module)):
+        if name not in vars(module):
+            raise TypeError(
+                f"{type(module).__name__}.{name} is a {type(value).__name__} defined in the "
+                f"class body (at {format_path((*path, name))}), so every instance would "
+                f"share it and lamina does not see it: {_WHERE_LAMINA_LOOKS}. Create it in "
+                f"__init__: `self.{name} = ...`."
+            )
+
+
+def _check_hidden(path: Path, node: Any) -> None:
+    """Refuses containers that hide submodules or variables from the walk."""
+    if isinstance(node, (str, bytes, int, float, complex, bool, type(None), type)):
+        return
+    items: Any = None
+    if isinstance(node, (set, frozenset, collections.deque)):
+        items = node
+    elif isinstance(node, Mapping):
+        items = node.values()
+    elif hasattr(node, "__dict__") and not callable(node):
+        items = vars(node).values()
+    if items is None:
+        return
+    for item in items:
+        if isinstance(item, (Module, State)):
+            raise TypeError(
+                f"{format_path(path)} is a {type(node).__name__} that holds a "
+                f"{type(item).__name__}, where lamina cannot see it: {_WHERE_LAMINA_LOOKS}. "
+                f"Keep it in a list or dict attribute of the module instead."
+            )
 
 
 def substitute(root: Module, replacements: dict[int, Any]) -> None:
@@ -115,11 +203,20 @@ class VariableEntry:
         path: Keys from the model root to the declaration (list indices as ``int``).
         state: The declaration.
         key: Its leaf key in the variables dict: ``(collection, *path as str)``.
+        axes: Sizes of the axes stored in front of the declared shape (a `Stack`'s depth, a
+            vmapped ensemble's members); empty for a plain variable. Everything that checks
+            shapes reads `shape`, never ``state.shape``.
     """
 
     path: Path
     state: State
     key: FlatKey
+    axes: tuple[int, ...] = ()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape stored in the variables: `axes` in front of the declared shape."""
+        return self.axes + self.state.shape
 
     @property
     def collection(self) -> str:
@@ -157,19 +254,43 @@ class Plan:
         modules: list[tuple[Path, Module]] = []
         declared: list[VariableEntry] = []
         skeleton: dict[str, Any] = {}
-        for path, node in walk(root):
-            if isinstance(node, Module):
-                modules.append((path, node))
-                continue
-            key = (node.collection, *(str(k) for k in path))
-            _insert(skeleton, key, len(declared), declared)
-            declared.append(VariableEntry(path, node, key))
-        order, self.treedef = jax.tree_util.tree_flatten(skeleton)
+        with deep_recursion():
+            for path, node in walk(root):
+                _check_path(path)
+                if isinstance(node, Module):
+                    modules.append((path, node))
+                    continue
+                key = (node.collection, *(str(k) for k in path))
+                _insert(skeleton, key, len(declared), declared)
+                axes = tuple(getattr(node, "_lamina_axes", ()))
+                declared.append(VariableEntry(path, node, key, axes))
+        order, treedef = jax.tree_util.tree_flatten(skeleton)
+        self.treedef: jax.tree_util.PyTreeDef = treedef
         self.modules = tuple(modules)
         self.declared = tuple(declared)
         self.variables = tuple(declared[i] for i in order)
-        self.shapes = [entry.state.shape for entry in self.variables]
+        self.shapes = [entry.shape for entry in self.variables]
         self.index = {entry.key: i for i, entry in enumerate(self.variables)}
+        self._slots_of: dict[int, tuple[int, ...]] = {}
+
+    def slots_of(self, module: Module) -> tuple[int, ...]:
+        """The slots (indices into `variables`) of the variables reachable from `module`.
+
+        Reachability, not path prefix: a variable tied into `module` whose first path lies
+        outside it still belongs to it. The result is cached per module.
+
+        Args:
+            module: A module of this plan (the root or any submodule).
+
+        Returns:
+            Slot indices in increasing order.
+        """
+        slots = self._slots_of.get(id(module))
+        if slots is None:
+            owned = {id(node) for _, node in walk(module) if isinstance(node, State)}
+            slots = tuple(i for i, entry in enumerate(self.variables) if id(entry.state) in owned)
+            self._slots_of[id(module)] = slots
+        return slots
 
     def bind(self) -> None:
         """Marks the walked objects as this plan's: variables know their slot and path.
@@ -185,12 +306,16 @@ class Plan:
             entry.state._lamina_path = entry.path
 
     def init_salt(self, entry: VariableEntry) -> int:
-        """The number folded into the init key for `entry`: a hash of its path.
+        """The number folded into the init key for `entry`: a hash of its key tuple.
 
-        Its high bit is set, so these keys never coincide with the keys `next_rng_key` draws
-        (which fold in a counter below 2**31).
+        The hash reads the parts of the key, each with its length, so no two keys share an
+        encoding. Its high bit is set, so these keys never coincide with the keys
+        `next_rng_key` draws (which fold in a counter below 2**31).
         """
-        return zlib.crc32(entry.name.encode()) | 0x80000000
+        encoded = b"".join(
+            len(raw).to_bytes(4, "little") + raw for raw in (part.encode() for part in entry.key)
+        )
+        return zlib.crc32(encoded) | 0x80000000
 
 
 def _insert(skeleton: dict, key: FlatKey, value: int, declared: list[VariableEntry]) -> None:

@@ -83,17 +83,22 @@ def bind_variables(plan: Plan, variables: Any, what: str) -> list:
     leaves, treedef = jax.tree_util.tree_flatten(variables)
     if treedef == plan.treedef:
         try:
-            if [leaf.shape for leaf in leaves] == plan.shapes:
+            if [leaf.shape for leaf in leaves] == plan.shapes and all(
+                isinstance(leaf, _ARRAYS) for leaf in leaves
+            ):
                 return leaves
         except AttributeError:
             pass  # Python scalars or other leaves without a shape: the careful path decides
     return _bind_checked(plan, variables, what)
 
 
+_ARRAYS = (jax.Array, np.ndarray, np.generic)
+
+
 def _bind_checked(plan: Plan, variables: Any, what: str) -> list:
     flat = flatten_variables(variables, f"{what}'s variables")
     check_variables(plan, flat, what)
-    return [_as_array(flat[entry.key]) for entry in plan.variables]
+    return [_as_array(flat[entry.key], entry.name, what) for entry in plan.variables]
 
 
 def check_variables(
@@ -123,9 +128,10 @@ def check_variables(
     wrong = []
     for entry in plan.variables:
         if entry.key in flat:
-            got = tuple(np.shape(flat[entry.key]))
-            if got != entry.state.shape:
-                wrong.append(f"{entry.name}: expected {entry.state.shape}, got {got}")
+            leaf = flat[entry.key]
+            got = tuple(leaf.shape) if hasattr(leaf, "shape") else _shape_of(leaf)
+            if got != entry.shape:
+                wrong.append(f"{entry.name}: expected {entry.shape}, got {got}")
     if wrong:
         problems.append(f"wrong shape ({len(wrong)}): {format_list(wrong, limit=5)}")
     if not problems:
@@ -146,8 +152,27 @@ def check_variables(
     )
 
 
-def _as_array(leaf: Any) -> Any:
-    return leaf if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else jnp.asarray(leaf)
+def _shape_of(leaf: Any) -> tuple[int, ...] | str:
+    if isinstance(leaf, (bool, int, float, complex)):
+        return ()
+    return f"{type(leaf).__name__} {leaf!r:.40}"
+
+
+def _as_array(leaf: Any, name: str, what: str) -> Any:
+    if isinstance(leaf, _ARRAYS):
+        return leaf
+    if isinstance(leaf, (bool, int, float, complex)):
+        return jnp.asarray(leaf)
+    hint = ""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        hint = (
+            " It is a ShapeDtypeStruct (from jax.eval_shape), which describes an array "
+            "without holding one: run init itself for values."
+        )
+    raise VariablesError(
+        f"{what} got {type(leaf).__name__} {leaf!r:.60} at {name}; variables must be arrays "
+        f"(or Python numbers).{hint}"
+    )
 
 
 def present_variables(plan: Plan, variables: Any, what: str) -> list[tuple[VariableEntry, Any]]:

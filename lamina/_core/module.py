@@ -6,7 +6,7 @@ from typing import Any
 
 from .copying import copy_object
 from .errors import FrozenModuleError, format_path
-from .frame import _LOCAL
+from .frame import current_frame
 
 _MISSING = object()
 
@@ -42,7 +42,7 @@ class Module:
         pass
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if self._lamina_path is not None and _LOCAL.frame is not None:
+        if self._lamina_path is not None and current_frame() is not None:
             if self.__dict__.get(name, _MISSING) is value:
                 return  # `self.count += 1` on a State rebinds the same declaration
             raise FrozenModuleError(
@@ -56,7 +56,7 @@ class Module:
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name: str) -> None:
-        if self._lamina_path is not None and _LOCAL.frame is not None:
+        if self._lamina_path is not None and current_frame() is not None:
             raise FrozenModuleError(
                 f"cannot delete attribute {name!r} of {type(self).__name__} at "
                 f"{format_path(self._lamina_path)}: modules are frozen while init/apply runs."
@@ -113,7 +113,12 @@ def _repr_container(container: Any, indent: str, seen: set[int]) -> str:
             lines.append(f"{inner}{prefix}{_repr_container(child, inner, seen)},")
         else:
             lines.append(f"{inner}{prefix}{child!r},")
-    open_, close = {dict: "{}", list: "[]"}.get(type(container), "()")
+    if isinstance(container, dict):
+        open_, close = "{", "}"
+    elif isinstance(container, list):
+        open_, close = "[", "]"
+    else:
+        open_, close = "(", ")"
     return open_ + "\n" + "\n".join(lines) + f"\n{indent}" + close
 
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from .errors import RngError
-from .frame import _LOCAL
+from .frame import current_frame
 
 _DEFAULT = "<default>"  # the stream name of the default key; never a user's name
 
@@ -58,6 +58,12 @@ def check_rngs(rngs: Any, where: str) -> None:
     hint = ""
     if isinstance(rngs, (int, np.integer)):
         hint = f" To use a seed, pass jax.random.key({rngs})."
+    elif getattr(rngs, "dtype", None) is not None:
+        hint = (
+            f" Got {_describe(rngs)}; a key is jax.random.key(seed) (shape ()) or "
+            f"jax.random.PRNGKey(seed) (uint32, shape {_raw_key_shape()}). For several keys "
+            f"(one per example), map apply over them with jax.vmap."
+        )
     raise TypeError(
         f"{where}: rngs must be None, a PRNG key, a dict {{name: key}} or "
         f"lm.PRNGKeys(default, name=key), got {type(rngs).__name__}.{hint}"
@@ -65,10 +71,25 @@ def check_rngs(rngs: Any, where: str) -> None:
 
 
 def _is_key(x: Any) -> bool:
+    """Whether `x` is one key: a typed key of shape (), or a raw ``uint32`` key.
+
+    A raw key has the default implementation's shape (``jax.random.PRNGKey(0)``: ``(2,)``).
+    """
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return False
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or dtype == np.uint32
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return x.shape == ()
+    return dtype == np.uint32 and tuple(x.shape) == _raw_key_shape()
+
+
+_RAW_KEY_SHAPE: list[tuple[int, ...]] = []
+
+
+def _raw_key_shape() -> tuple[int, ...]:
+    if not _RAW_KEY_SHAPE:
+        _RAW_KEY_SHAPE.append(tuple(jax.eval_shape(jax.random.PRNGKey, 0).shape))
+    return _RAW_KEY_SHAPE[0]
 
 
 class RngStreams:
@@ -137,15 +158,36 @@ class RngStreams:
     def next(self, name: str | None, num: int | tuple[int, ...] | None, strict: bool) -> Any:
         """Draws a fresh key (or `num` keys) from the stream `name`."""
         stream, key = self.base(name, strict)
+        key = self._draw(stream, key)
+        return key if num is None else jax.random.split(key, num)
+
+    def _draw(self, stream: str, key: Any) -> Any:
         count = self._counts.get(stream, 0)
         self._counts[stream] = count + 1
-        key = jax.random.fold_in(key, count)
-        return key if num is None else jax.random.split(key, num)
+        return jax.random.fold_in(key, count)
+
+    def fork(self) -> dict[str, Any]:
+        """Draws one fresh key from every stream: the bases of per-iteration streams.
+
+        A transform that lamina runs over user code (a scan over time steps) forks before
+        the transform and gives iteration ``i`` the streams `for_iteration(forked, i)`, so
+        that every iteration draws different keys, as `next_rng_key`'s guard asks of users.
+        """
+        return {stream: self._draw(stream, key) for stream, key in self.keys().items()}
+
+    @staticmethod
+    def for_iteration(forked: dict[str, Any], index: Any) -> RngStreams:
+        """The streams of iteration `index` (a traced int is fine) of a forked call."""
+        streams = RngStreams(None)
+        streams._keys = {s: jax.random.fold_in(key, index) for s, key in forked.items()}
+        return streams
 
 
 def _describe(x: Any) -> str:
     dtype = getattr(x, "dtype", None)
-    return f"an array of dtype {dtype}" if dtype is not None else type(x).__name__
+    if dtype is None:
+        return type(x).__name__
+    return f"an array of dtype {dtype} and shape {tuple(x.shape)}"
 
 
 def _label(name: str) -> str:
@@ -189,10 +231,17 @@ def next_rng_key(
         >>> y.shape
         (3,)
     """
-    frame = _LOCAL.frame
+    frame = current_frame()
     if frame is None:
         raise RuntimeError(
             "next_rng_key() was called outside init/apply: random keys come from the rngs "
             "argument of a running call. Call it inside the model's methods."
         )
+    frame.check_trace(
+        f"next_rng_key({'' if name is None else repr(name)}) was called",
+        "The transform traces its function once, so every iteration (every vmapped member, "
+        "every scan step) would get the same key. Draw the keys before the transform and "
+        "pass them in: `keys = lm.next_rng_key(name, num=n)`, then "
+        "`jax.vmap(f)(keys, xs)` or `jax.lax.scan(f, carry, (keys, xs))`.",
+    )
     return frame.rngs.next(name, num, strict)

@@ -16,15 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import RngError
-from .frame import Frame
-from .graph import Plan, VariableEntry
+from .copying import freeze
+from .errors import RngError, VariablesError, format_list, format_path
+from .frame import Frame, PendingValues
+from .graph import Plan, VariableEntry, deep_recursion
 from .layout import bind_variables, check_variables, flatten_variables
 from .module import Module
 from .rng import RngStreams, check_rngs
-from .variables import PendingValues
-
-Variables = dict[str, Any]
+from .types import Variables
 
 
 class Transformed(NamedTuple):
@@ -83,6 +82,8 @@ def transform(
     snapshot = _copy(model, "lm.transform")
     plan = Plan(snapshot)
     plan.bind()
+    for path, module in plan.modules:
+        freeze(module, format_path(path))
     fn = _resolve_callable(snapshot, to_callable)
     return Transformed(_make_init(plan), _make_apply(plan, fn))
 
@@ -122,18 +123,19 @@ class _InitGroup:
 
     def __init__(self, slots: list[int], salts: list[int]):
         self.slots = slots
-        self.salts = np.asarray(salts, dtype=np.uint32)
+        self.salts = salts
 
     def run(self, plan: Plan, base: Any, values: list[Any]) -> None:
         entries = [plan.variables[slot] for slot in self.slots]
         if len(entries) == 1:
             values[self.slots[0]] = _initial_value(
-                entries[0], jax.random.fold_in(base, int(self.salts[0]))
+                entries[0], jax.random.fold_in(base, self.salts[0])
             )
             return
+        salts = np.asarray(self.salts, dtype=np.uint32)
         state = entries[0].state
         try:
-            stacked = _init_stacked(state.init, state.shape, state.param_dtype, base, self.salts)
+            stacked = _init_stacked(state.init, state.shape, state.param_dtype, base, salts)
         except Exception as error:
             error.add_note(
                 f"(while lamina initialised {entries[0].name} and {len(entries) - 1} "
@@ -154,17 +156,27 @@ def _init_stacked(init: Any, shape: tuple[int, ...], dtype: Any, base: Any, salt
 
 
 def _init_groups(plan: Plan) -> list[_InitGroup]:
+    """Groups the plan's variables by initializer signature.
+
+    Only initializers that declare themselves batchable (``lamina_batchable``) *and* define
+    value equality are grouped: equality is what proves two of them make the same arrays
+    (`lm.initializers` compare by every argument). Anything else is initialised on its own.
+    """
     by_signature: dict[Any, _InitGroup] = {}
     groups = []
     for slot, entry in enumerate(plan.variables):
         state, salt = entry.state, plan.init_salt(entry)
-        if getattr(state.init, "lamina_batchable", False):
-            signature = (state.init, state.shape, state.param_dtype)
-            if signature in by_signature:
-                by_signature[signature].slots.append(slot)
-                by_signature[signature].salts = np.append(
-                    by_signature[signature].salts, np.uint32(salt)
-                )
+        init = state.init
+        if (
+            getattr(init, "lamina_batchable", False)
+            and type(init).__eq__ is not object.__eq__
+            and not entry.axes
+        ):
+            signature = (init, state.shape, state.param_dtype)
+            group = by_signature.get(signature)
+            if group is not None:
+                group.slots.append(slot)
+                group.salts.append(salt)
                 continue
             group = by_signature[signature] = _InitGroup([slot], [salt])
         else:
@@ -198,6 +210,8 @@ def _make_apply(plan: Plan, fn: Callable[..., Any] | None) -> Callable[..., Any]
             )
         with Frame(plan, values, RngStreams(rngs), "apply"):
             outputs = fn(*args, **kwargs)
+            if not isinstance(outputs, jax.Array):
+                outputs = _materialize(outputs)
         return outputs, treedef.unflatten(values)
 
     apply.__doc__ = (
@@ -207,16 +221,29 @@ def _make_apply(plan: Plan, fn: Callable[..., Any] | None) -> Callable[..., Any]
     return apply
 
 
+def _materialize(outputs: Any) -> Any:
+    """Outputs with every declaration replaced by its value, while the frame is still open."""
+    leaves, structure = jax.tree_util.tree_flatten(outputs)
+    return jax.tree_util.tree_unflatten(structure, leaves)
+
+
 def _initial_value(entry: VariableEntry, key: Any) -> Any:
+    """The initial value of `entry`; with stored `axes`, one independent draw per copy."""
     state = entry.state
     try:
-        value = state.init(key, state.shape, state.param_dtype)
+        if entry.axes:
+            copies = int(np.prod(entry.axes))
+            keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(copies))
+            value = jax.vmap(lambda k: state.init(k, state.shape, state.param_dtype))(keys)
+            value = value.reshape(entry.shape)
+        else:
+            value = state.init(key, state.shape, state.param_dtype)
     except Exception as error:
         error.add_note(f"(while lamina initialised {entry.name} with {state.init!r})")
         raise
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
         value = jnp.asarray(value)
-    _check_initial(entry, tuple(value.shape))
+    _check_initial(entry, tuple(value.shape)[len(entry.axes) :])
     return value if value.dtype == state.param_dtype else value.astype(state.param_dtype)
 
 
@@ -244,7 +271,10 @@ def _resolve_callable(
 
 def _copy(model: Module, where: str) -> Module:
     try:
-        return copy.deepcopy(model)
+        with deep_recursion():
+            return copy.deepcopy(model)
+    except RecursionError:
+        raise
     except Exception as error:
         error.add_note(
             f"({where} copies the model so that later edits do not leak into it; an attribute "
@@ -253,7 +283,28 @@ def _copy(model: Module, where: str) -> Module:
         raise
 
 
-def assign_variables(model: Module, variables: Variables, strict: bool = True) -> Module:
+class AssignReport(NamedTuple):
+    """What `assign_variables` did, as PyTorch's ``load_state_dict`` reports it.
+
+    Attributes:
+        assigned: The paths that received an array (``params/layer1/kernel``).
+        missing: The model's paths that `variables` lacked (they keep their initializers).
+        unexpected: The paths of `variables` that the model lacks (ignored).
+    """
+
+    assigned: tuple[str, ...]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+
+
+def assign_variables(
+    model: Module,
+    variables: Variables,
+    strict: bool = True,
+    *,
+    allow_unexpected: bool = False,
+    return_report: bool = False,
+) -> Any:
     """Returns a copy of `model` whose initial values are the given arrays.
 
     The original model is untouched. Use it for transfer learning: load pretrained
@@ -262,14 +313,22 @@ def assign_variables(model: Module, variables: Variables, strict: bool = True) -
     Args:
         model: The model to copy.
         variables: ``{collection: nested dict}``, as `init` returns.
-        strict: If True, `variables` must hold exactly the model's variables; if False,
-            the ones present are assigned and the rest keep their initializers.
+        strict: If True, `variables` must hold every variable of the model; if False, the
+            ones present are assigned and the rest keep their initializers.
+        allow_unexpected: Whether `variables` may hold paths the model lacks (they are
+            ignored). Off by default even when not `strict`: a misspelt path would otherwise
+            load nothing and say nothing.
+        return_report: Also return an `AssignReport` of the assigned, missing and
+            unexpected paths.
 
     Returns:
-        The copy, with each assigned variable's initializer replaced by its array.
+        The copy, with each assigned variable's initializer replaced by its array; with
+        `return_report`, ``(copy, report)``.
 
     Raises:
-        VariablesError: Missing or unexpected paths (when `strict`), or a wrong shape.
+        VariablesError: Missing paths (when `strict`), unexpected paths (unless
+            `allow_unexpected`), a wrong shape, or nothing to assign at all. The original model
+            is unchanged.
 
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
@@ -278,14 +337,72 @@ def assign_variables(model: Module, variables: Variables, strict: bool = True) -
         >>> init, apply = lm.transform(model)
         >>> float(init(jax.random.key(0))["params"]["kernel"].sum())
         6.0
+        >>> _, report = lm.assign_variables(
+        ...     lm.Dense(3, 2), {"params": {"kernel": jnp.ones((3, 2))}}, strict=False,
+        ...     return_report=True)
+        >>> report.missing
+        ('params/bias',)
     """
     flat = flatten_variables(variables, "assign_variables")
     result = _copy(model, "lm.assign_variables")
     plan = Plan(result)
     check_variables(
-        plan, flat, "assign_variables", allow_missing=not strict, allow_unexpected=not strict
+        plan, flat, "assign_variables", allow_missing=not strict, allow_unexpected=allow_unexpected
     )
-    for entry in plan.variables:
-        if entry.key in flat:
-            entry.state._assign_initial(flat[entry.key], entry.name)
-    return result
+    assigned = [entry for entry in plan.variables if entry.key in flat]
+    if plan.variables and not assigned:
+        raise VariablesError(
+            f"assign_variables found none of {type(model).__name__}'s variables in the given "
+            f"dict (its paths look like {plan.variables[0].name}; the dict has "
+            f"{format_list(sorted('/'.join(k) for k in flat)) or 'nothing'}), so it would "
+            f"assign nothing."
+        )
+    for entry in assigned:
+        entry.state._assign_initial(flat[entry.key], entry.name)
+    if not return_report:
+        return result
+    return result, AssignReport(
+        assigned=tuple(entry.name for entry in assigned),
+        missing=tuple(entry.name for entry in plan.variables if entry.key not in flat),
+        unexpected=tuple("/".join(key) for key in flat if key not in plan.index),
+    )
+
+
+def init(module: Module) -> Callable[..., Variables]:
+    """Metoryx's spelling of ``lm.transform(module).init``: the model's init function.
+
+    Args:
+        module: The model definition (copied).
+
+    Returns:
+        ``init(rngs) -> variables``.
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> variables = lm.init(lm.Dense(3, 2))(jax.random.key(0))
+        >>> sorted(variables["params"])
+        ['bias', 'kernel']
+    """
+    return transform(module).init
+
+
+def apply(
+    module: Module, fn: Callable[[Module], Callable[..., Any]] | None = None
+) -> Callable[..., tuple[Any, Variables]]:
+    """Metoryx's spelling of ``lm.transform(module, fn).apply``: the model's apply function.
+
+    Args:
+        module: The model definition (copied).
+        fn: Picks the method to run, as `transform`'s ``to_callable``.
+
+    Returns:
+        ``apply(variables, rngs, *args, **kwargs) -> (outputs, new_variables)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> dense = lm.Dense(3, 2)
+        >>> variables = lm.init(dense)(jax.random.key(0))
+        >>> lm.apply(dense)(variables, None, jnp.ones((1, 3)))[0].shape
+        (1, 2)
+    """
+    return transform(module, fn).apply

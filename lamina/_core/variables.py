@@ -1,7 +1,13 @@
 """Variable declarations: `State` and its kinds. A declaration describes an array, holds none.
 
-Inside `init`/`apply` a declaration reads and writes the array bound to it by the active
-frame; outside, `.value` only accepts a constant initial value (model surgery).
+Inside `init`/`apply` a declaration *is* its array, to Python and to JAX: every operator and
+protocol (arithmetic, comparisons, ``bool``, ``len``, iteration, indexing, ``int``/``float``)
+acts on the value, and a declaration passed to a JAX function (``jnp.sum(self.w)``,
+``jax.nn.relu(self.w)``, ``jax.lax.stop_gradient(self.w)``) or returned from a jitted function
+is its value: declarations are pytree nodes whose one leaf is the value. Outside a call they
+have no value, and all of these raise `UnboundVariableError`; only `.value = array` works there
+(a constant initial value, for model surgery). Hashing is by identity, so declarations can be
+set members and dict keys.
 """
 
 from __future__ import annotations
@@ -10,15 +16,16 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .copying import copy_object
-from .errors import UnboundVariableError, format_path
-from .frame import _LOCAL, frame_of
+from .errors import format_path
+from .frame import current_frame, frame_of
+from .types import Initializer, Shape
 
-Shape = tuple[int, ...]
-Initializer = Callable[..., Any]
+__all__ = ["Assigned", "BatchStat", "Cache", "Initializer", "Parameter", "Shape", "State"]
 
 
 class State:
@@ -95,7 +102,7 @@ class State:
     @property
     def value(self) -> Any:
         """The bound array inside a call, cast to `dtype`."""
-        frame = _LOCAL.frame
+        frame = current_frame()
         if frame is None or frame.plan is not self._lamina_plan:
             frame = frame_of(self)
         v = frame.values[self._lamina_slot]
@@ -106,15 +113,24 @@ class State:
         if self._lamina_plan is None:
             self._assign_initial(new)
             return
-        frame = _LOCAL.frame
+        frame = current_frame()
         if frame is None or frame.plan is not self._lamina_plan:
             frame = frame_of(self)
         frame.write(self, new)
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _register_pytree(cls)
+
     def _assign_initial(self, array: Any, path: str | None = None) -> None:
+        where = f" at {path}" if path else ""
+        if isinstance(array, (str, bytes, State, jax.ShapeDtypeStruct)) or array is None:
+            raise TypeError(
+                f"cannot assign {type(array).__name__} {array!r:.60} to "
+                f"{type(self).__name__}{where}: an initial value is an array (or a number)."
+            )
         got = tuple(np.shape(array))
         if got != self.shape:
-            where = f" at {path}" if path else ""
             raise ValueError(
                 f"cannot assign a value of shape {got} to {type(self).__name__}{where} declared "
                 f"with shape {self.shape}; the shapes must be equal."
@@ -138,12 +154,21 @@ class State:
 
     def __getattr__(self, name: str) -> Any:
         # Array methods (`reshape`, `sum`, `astype`, ...) on the value, inside a call only.
-        if name.startswith("_") or self._lamina_plan is None:
+        if name.startswith("_"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if self._lamina_plan is None and current_frame() is None:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r} outside init/apply: "
+                f"a declaration holds no array. Array methods such as .{name} work on it "
+                f"inside the model's methods, while a call runs."
+            )
         return getattr(self.value, name)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> State:
         return copy_object(self, memo)
+
+    # NumPy: `np_array + state` and `np.float32(2) * state` defer to State's reflected methods.
+    __array_priority__ = 1000
 
     def __jax_array__(self) -> Any:
         return self.value
@@ -151,20 +176,45 @@ class State:
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         return np.asarray(self.value, dtype=dtype)
 
+    __hash__ = object.__hash__  # identity: the plan keys declarations by object
+
     def __getitem__(self, index: Any) -> Any:
         return self.value[index]
 
-    def __neg__(self) -> Any:
-        return -self.value
+    def __setitem__(self, index: Any, new: Any) -> None:
+        self.value = self.value.at[index].set(_unwrap(new))
 
-    def __pos__(self) -> Any:
-        return +self.value
+    def __iter__(self) -> Any:
+        return iter(self.value)
 
-    def __abs__(self) -> Any:
-        return abs(self.value)
+    def __len__(self) -> int:
+        return len(self.value)
 
-    def __invert__(self) -> Any:
-        return ~self.value
+    def __contains__(self, item: Any) -> bool:
+        return _unwrap(item) in self.value
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
+
+    def __int__(self) -> int:
+        return int(self.value)
+
+    def __float__(self) -> float:
+        return float(self.value)
+
+    def __complex__(self) -> complex:
+        return complex(self.value)
+
+    def __index__(self) -> int:
+        return operator.index(self.value)
+
+    def __round__(self, ndigits: int | None = None) -> Any:
+        return round(self.value, ndigits)
+
+    def __format__(self, spec: str) -> str:
+        if self._lamina_plan is None or current_frame() is None:
+            return format(repr(self), spec)
+        return format(self.value, spec)
 
     def __repr__(self) -> str:
         where = ""
@@ -180,6 +230,13 @@ class State:
 
 def _unwrap(x: Any) -> Any:
     return x.value if isinstance(x, State) else x
+
+
+def _unary(op: Callable[[Any], Any]) -> Callable:
+    def method(self: State) -> Any:
+        return op(self.value)
+
+    return method
 
 
 def _binary(op: Callable) -> Callable:
@@ -204,6 +261,14 @@ def _inplace(op: Callable) -> Callable:
     return method
 
 
+_UNARY: dict[str, Callable[[Any], Any]] = {
+    "neg": operator.neg,
+    "pos": operator.pos,
+    "abs": operator.abs,
+    "invert": operator.invert,
+}
+for _name, _fn in _UNARY.items():
+    setattr(State, f"__{_name}__", _unary(_fn))
 for _name, _op in {
     "add": operator.add,
     "sub": operator.sub,
@@ -222,13 +287,38 @@ for _name, _op in {
     setattr(State, f"__{_name}__", _binary(_op))
     setattr(State, f"__r{_name}__", _reflected(_op))
     setattr(State, f"__i{_name}__", _inplace(_op))
+for _name, _op in {"divmod": divmod}.items():
+    setattr(State, f"__{_name}__", _binary(_op))
+    setattr(State, f"__r{_name}__", _reflected(_op))
 for _name, _op in {
     "lt": operator.lt,
     "le": operator.le,
     "gt": operator.gt,
     "ge": operator.ge,
+    "eq": operator.eq,
+    "ne": operator.ne,
 }.items():
     setattr(State, f"__{_name}__", _binary(_op))
+
+
+def _register_pytree(cls: type) -> None:
+    # A declaration flattens to its value and unflattens to the bare leaf: to JAX it *is* its
+    # array, so `jnp.sum(self.w)`, `jax.nn.relu(self.w)` or returning `self.w` from a jitted
+    # function see the value (and outside a call, flattening raises UnboundVariableError).
+    jax.tree_util.register_pytree_node(cls, _flatten, _unflatten)
+
+
+def _flatten(state: State) -> tuple[tuple[Any], None]:
+    return (state.value,), None
+
+
+def _unflatten(aux: None, children: Any) -> Any:
+    del aux
+    (leaf,) = children
+    return leaf
+
+
+_register_pytree(State)
 
 
 class Parameter(State):
@@ -346,21 +436,20 @@ def _as_shape(shape: Any, kind: str) -> Shape:
 
 
 def as_dtype(dtype: Any, kind: str, name: str) -> np.dtype:
-    """Returns `dtype` as a NumPy dtype, or raises a `TypeError` naming `kind` and `name`."""
+    """Returns `dtype` as JAX stores it, or raises a `TypeError` naming `kind` and `name`.
+
+    64-bit types become 32-bit ones unless ``jax_enable_x64`` is on, as JAX's own arrays do, so
+    that the declared dtype is the dtype of the arrays (and `summary` counts the right bytes).
+    """
+    if dtype is None:
+        raise TypeError(
+            f"{kind}: {name}=None is not supported (lamina does not infer dtypes); pass a dtype "
+            f"such as jnp.float32."
+        )
     try:
-        return jnp.dtype(dtype)
+        result = jnp.dtype(dtype)
     except TypeError:
         raise TypeError(
             f"{kind}: {name} must be a dtype such as jnp.float32, got {dtype!r}."
         ) from None
-
-
-class PendingValues:
-    """Stands for `Frame.values` while `init` runs initializers: nothing is readable yet."""
-
-    def __getitem__(self, slot: int) -> Any:
-        raise UnboundVariableError(
-            "variables cannot be read while init runs their initializers: an initializer "
-            "receives (key, shape, dtype) and must not depend on other variables. Compute "
-            "derived values inside apply instead."
-        )
+    return np.dtype(jax.dtypes.canonicalize_dtype(result))
