@@ -11,16 +11,18 @@ respect to the `LoRAParam`s in `variables` only; everything else in it is a cons
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from .filters import Filter, to_predicate
-from .graph import Plan
+from .errors import format_list
+from .filters import Filter, Predicate, describe, to_predicate
+from .graph import Plan, VariableEntry
 from .layout import nest, present_variables
 from .module import Module
-from .selection import merge
+from .selection import matches, merge, nothing_selected
 from .variables import Parameter
 
 
@@ -30,15 +32,33 @@ class DiffState:
 
     The argument is a variables tree of the model given to `grad`/`value_and_grad` (all of
     its variables or a subset); its gradient comes back as a tree holding only the matched
-    paths, in the same layout.
+    paths, in the same layout. A filter that selects none of the model's variables, or none
+    of those passed, is an error (see `lm.split` for the filters).
 
     Attributes:
-        argnum: Which positional argument holds the variables.
+        argnum: Which positional argument holds the variables (negative counts from the end,
+            as in `jax.grad`).
         filter: Which of them to differentiate (default: every `Parameter`).
+
+    Example:
+        >>> import lamina as lm
+        >>> lm.DiffState(0, "params")
+        DiffState(argnum=0, filter='params')
     """
 
     argnum: int
     filter: Filter = Parameter
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.argnum, int) or isinstance(self.argnum, bool):
+            raise TypeError(
+                f"DiffState's argnum is the position of the variables argument (an int), got "
+                f"{self.argnum!r}: lm.DiffState(0, filter)."
+            )
+        try:
+            to_predicate(self.filter)
+        except TypeError as error:
+            raise TypeError(f"DiffState({self.argnum}, ...): {error}") from None
 
 
 def value_and_grad(
@@ -55,7 +75,8 @@ def value_and_grad(
             what the filters see (read once, here).
         argnums: As in `jax.grad`: an int differentiates that whole argument; a `DiffState`
             differentiates the variables its filter matches in that argument. The default,
-            ``DiffState(0)``, takes the `Parameter`s of the first argument.
+            ``DiffState(0)``, takes the `Parameter`s of the first argument. The arguments
+            they name must be passed positionally.
         has_aux: `fn` returns ``(value, aux)``.
 
     Returns:
@@ -63,8 +84,11 @@ def value_and_grad(
         grads)`` with `has_aux`); `grads` is one tree, or a tuple when `argnums` is a sequence.
 
     Raises:
-        TypeError: An argnum that is neither an int nor a `DiffState`.
-        ValueError: The same argument listed twice.
+        TypeError: An argnum that is neither an int nor a `DiffState`; when called: an
+            argument named by `argnums` that was not passed positionally, or integer
+            variables selected for differentiation (the message names their paths).
+        ValueError: The same argument listed twice, or a `DiffState` whose filter selects
+            none of the model's variables (here) or none of those passed (when called).
 
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
@@ -83,33 +107,74 @@ def value_and_grad(
         >>> (value, new_variables), grads = step(variables, jnp.ones((4, 2)))
         >>> sorted(grads), sorted(grads["params"]), sorted(new_variables)
         (['params'], ['dense', 'norm'], ['batch_stats', 'params'])
+        >>> lm.value_and_grad(loss, model, lm.DiffState(0, "param"))
+        Traceback (most recent call last):
+        ...
+        ValueError: lm.value_and_grad: the filter 'param' selects no variable of Net.
+          Net holds collections batch_stats (2), params (4); ...
+          Did you mean 'params'?
     """
-    specs = tuple(argnums) if isinstance(argnums, (tuple, list)) else (argnums,)
-    for spec in specs:
+    return _value_and_grad(fn, model, argnums, has_aux, "lm.value_and_grad")
+
+
+def _value_and_grad(
+    fn: Callable[..., Any],
+    model: Module,
+    argnums: int | DiffState | Sequence[int | DiffState],
+    has_aux: bool,
+    what: str,
+) -> Callable[..., Any]:
+    if not callable(fn):
+        raise TypeError(f"{what} differentiates a function; got {type(fn).__name__} {fn!r}.")
+    given: tuple[Any, ...] = tuple(argnums) if isinstance(argnums, (tuple, list)) else (argnums,)
+    for spec in given:
         if not isinstance(spec, (int, DiffState)) or isinstance(spec, bool):
             raise TypeError(
                 f"argnums takes ints (a whole argument, as jax.grad) and lm.DiffState(argnum, "
                 f"filter) (part of a variables argument); got {spec!r}."
             )
-    positions = [s.argnum if isinstance(s, DiffState) else s for s in specs]
-    if len(set(positions)) != len(positions):
+    specs: tuple[int | DiffState, ...] = given
+    if not specs:
+        raise ValueError(f"{what}: argnums is empty; name at least one argument.")
+    argnum_of = [s.argnum if isinstance(s, DiffState) else s for s in specs]
+    if len(set(argnum_of)) != len(argnum_of):
         raise ValueError(f"argnums lists argument(s) more than once: {argnums!r}.")
     plan = Plan(model)
-    predicates = {s.argnum: to_predicate(s.filter) for s in specs if isinstance(s, DiffState)}
+    selections: dict[int, tuple[DiffState, Predicate]] = {}
+    for spec in specs:
+        if isinstance(spec, DiffState):
+            predicate = to_predicate(spec.filter, plan)
+            if not any(matches(predicate, entry, spec.filter) for entry in plan.variables):
+                raise ValueError(nothing_selected(what, [(None, spec.filter, predicate)], plan))
+            selections[spec.argnum] = (spec, predicate)
     many = isinstance(argnums, (tuple, list))
 
     def differentiated(*args: Any, **kwargs: Any) -> Any:
+        positions = [_position(argnum, args, kwargs, specs, what) for argnum in argnum_of]
+        if len(set(positions)) != len(positions):
+            raise ValueError(
+                f"{what}: argnums {argnums!r} name the same one of the {len(args)} positional "
+                f"arguments twice."
+            )
         chosen, frozen = [], {}
-        for position in positions:
-            if position not in predicates:
+        for argnum, position in zip(argnum_of, positions, strict=True):
+            if argnum not in selections:
                 chosen.append(args[position])
                 continue
-            matched, rest = [], []
-            for entry, leaf in present_variables(plan, args[position], "lm.grad"):
-                picked = predicates[position](entry.path, entry.state)
-                (matched if picked else rest).append((entry.key, leaf))
-            chosen.append(nest(matched))
-            frozen[position] = nest(rest)
+            spec, predicate = selections[argnum]
+            if not isinstance(args[position], Mapping):
+                _not_variables(args, position, spec, what)
+            present = present_variables(plan, args[position], f"{what} (argument {position})")
+            matched: list[tuple[Any, Any]] = []
+            rest: list[tuple[Any, Any]] = []
+            for entry, leaf in present:
+                (matched if matches(predicate, entry, spec.filter) else rest).append((entry, leaf))
+            if not matched:
+                message = nothing_selected(what, [(None, spec.filter, predicate)], plan, present)
+                raise ValueError(message.replace("given", f"given in argument {position}", 1))
+            _check_differentiable(matched, spec, what)
+            chosen.append(nest((entry.key, leaf) for entry, leaf in matched))
+            frozen[position] = nest((entry.key, leaf) for entry, leaf in rest)
 
         def inner(*parts: Any) -> Any:
             full = list(args)
@@ -121,6 +186,67 @@ def value_and_grad(
         return value, (grads if many else grads[0])
 
     return differentiated
+
+
+def _position(
+    argnum: int, args: tuple, kwargs: dict, specs: tuple[int | DiffState, ...], what: str
+) -> int:
+    """`argnum` as an index into `args`; an argument that was not passed is an error."""
+    position = argnum + len(args) if argnum < 0 else argnum
+    if 0 <= position < len(args):
+        return position
+    spec = next(s for s in specs if (s.argnum if isinstance(s, DiffState) else s) == argnum)
+    shown = (
+        f"DiffState({argnum}, {describe(spec.filter)})" if isinstance(spec, DiffState) else argnum
+    )
+    keywords = f" and keyword arguments {', '.join(kwargs)}" if kwargs else ""
+    raise TypeError(
+        f"{what}: argnums {shown} names positional argument {argnum}, but the function was "
+        f"called with {len(args)} positional argument(s){keywords}. The arguments that "
+        f"argnums names (variables included) must be passed positionally: step(variables, x), "
+        f"not step(variables=variables, x=x)."
+    )
+
+
+def _not_variables(args: tuple, position: int, spec: DiffState, what: str) -> None:
+    got = args[position]
+    shape = f" of shape {tuple(got.shape)}" if hasattr(got, "shape") else ""
+    dicts = [i for i, arg in enumerate(args) if isinstance(arg, Mapping)]
+    hint = (
+        f" Argument {dicts[0]} is a dict: lm.DiffState({dicts[0]}, {describe(spec.filter)})?"
+        if len(dicts) == 1
+        else ""
+    )
+    raise TypeError(
+        f"{what}: DiffState({spec.argnum}, {describe(spec.filter)}) differentiates the variables "
+        f"in positional argument {position}, a dict {{collection: {{...}}}} such as init "
+        f"returns; got {type(got).__name__}{shape}.{hint}"
+    )
+
+
+def _check_differentiable(
+    matched: list[tuple[VariableEntry, Any]], spec: DiffState, what: str
+) -> None:
+    """Integer (or boolean) variables have no gradient: say which, and how to leave them out."""
+    wrong = [(e, jnp.result_type(leaf)) for e, leaf in matched]
+    wrong = [(e, dtype) for e, dtype in wrong if not jnp.issubdtype(dtype, jnp.inexact)]
+    if not wrong:
+        return
+    collections = {e.collection for e, _ in wrong}
+    kept = {e.collection for e, _ in matched if all(e is not w for w, _ in wrong)}
+    if collections & kept:
+        excluded = [f"lm.PathContains({'/'.join(map(str, e.path))!r})" for e, _ in wrong]
+        exclude = excluded[0] if len(excluded) == 1 else f"({', '.join(excluded)})"
+    else:
+        names = [repr(c) for c in sorted(collections)]
+        exclude = names[0] if len(names) == 1 else f"({', '.join(names)})"
+    raise TypeError(
+        f"{what}: DiffState({spec.argnum}, {describe(spec.filter)}) selects variables that are "
+        f"not floating-point, which have no gradient: "
+        + format_list(f"{e.name} ({dtype})" for e, dtype in wrong)
+        + f". Leave them out of the filter: lm.DiffState({spec.argnum}, "
+        f"lm.All({describe(spec.filter)}, lm.Not({exclude})))."
+    )
 
 
 def grad(
@@ -153,7 +279,7 @@ def grad(
         >>> sorted(grads["params"]["body"]), sorted(grads["params"]["head"])
         (['bias'], ['bias', 'kernel'])
     """
-    value_and_grads = value_and_grad(fn, model, argnums, has_aux)
+    value_and_grads = _value_and_grad(fn, model, argnums, has_aux, "lm.grad")
 
     def differentiated(*args: Any, **kwargs: Any) -> Any:
         value, grads = value_and_grads(*args, **kwargs)

@@ -8,7 +8,8 @@ object (`State` or a subclass). `to_predicate` turns the literals users write in
 literal            callable               matches
 =================  =====================  ==============================================
 ``"name"``         ``WithTag("name")``    the collection ``"name"``, or a tag ``"name"``
-a type             ``OfType(type)``       instances of the type (subclasses too)
+a `State` kind     ``OfType(type)``       instances of the type (subclasses too)
+a `Module` class   ``OfType(type)``       the variables reachable from such a module
 ``True``, ``...``  ``Everything()``       every variable
 ``False``, None    ``Nothing()``          no variable
 (a, b), [a, b]     ``Any(a, b)``          what any of them matches
@@ -16,6 +17,11 @@ a type             ``OfType(type)``       instances of the type (subclasses too)
 
 ``PathContains(key)``, ``All(*filters)`` and ``Not(filter)`` complete the set. Filters compare
 equal and hash by value, so they can be dict keys.
+
+A module-class filter (``lm.Dense``) depends on the model, not on one declaration: `split`,
+`filter_variables`, `mask` and `grad` resolve it against the model's plan first
+(``to_predicate(filter, plan)``), which turns it into the set of variables reachable from the
+modules of that type, tied variables included.
 
 Example:
     >>> import lamina as lm
@@ -29,29 +35,63 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import inspect
+import numbers
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 from typing import Any as AnyType
 
 from .errors import Path
+from .module import Module
 from .variables import State
+
+if TYPE_CHECKING:
+    from .graph import Plan
 
 Predicate = Callable[[Path, State], bool]
 Filter = AnyType  # a predicate or a literal that `to_predicate` converts
 
+_LITERALS = (
+    "a string (a collection or tag: 'params'), a variable type (lm.Parameter), a module class "
+    "(lm.Dense), True or ... (everything), False or None (nothing), a function "
+    "(path, variable) -> bool, or a tuple/list of these"
+)
 
-def to_predicate(filter: Filter) -> Predicate:
+
+def to_predicate(filter: Filter, plan: Plan | None = None) -> Predicate:
     """Converts a filter literal into a predicate ``(path, variable) -> bool``.
 
     Args:
-        filter: A string (tag or collection), a type, True/``...``, False/None, a callable,
-            or a tuple/list of filters.
+        filter: A string (tag or collection), a `State` kind or `Module` class,
+            True/``...``, False/None, a function ``(path, variable) -> bool``, or a
+            tuple/list of filters.
+        plan: The model's plan. Module-class filters need it: with it, they match the
+            variables reachable from the model's modules of that class; without it, calling
+            them is an error.
 
     Returns:
         The predicate.
 
     Raises:
-        TypeError: `filter` is none of these; the message shows it.
+        TypeError: `filter` is none of these, or a function that cannot be called as
+            ``filter(path, variable)``; the message shows it (and, inside a tuple, where).
+
+    Example:
+        >>> import lamina as lm
+        >>> lm.to_predicate("params")
+        WithTag('params')
+        >>> lm.to_predicate(lambda v: True)
+        Traceback (most recent call last):
+        ...
+        TypeError: the filter function <lambda> ... takes (v); a filter is called as ...
     """
+    predicate = _convert(filter)
+    return predicate if plan is None else resolve(predicate, plan)
+
+
+def _convert(filter: Filter) -> Predicate:
+    if isinstance(filter, _FILTER_CLASSES):
+        return filter
     if isinstance(filter, str):
         return WithTag(filter)
     if isinstance(filter, type):
@@ -62,20 +102,107 @@ def to_predicate(filter: Filter) -> Predicate:
         return Nothing()
     if isinstance(filter, (tuple, list)):
         return Any(*filter)
+    if isinstance(filter, (Module, State)):
+        kind = type(filter).__name__
+        raise TypeError(
+            f"a {kind} object is not a filter: filters describe variables by type, collection "
+            f"or path. Use its class (lm.{kind}, or {kind}) for every such "
+            f"{'module' if isinstance(filter, Module) else 'variable'}, or lm.PathContains("
+            f"'name') for the one under that attribute."
+        )
     if callable(filter):
-        return filter
+        _check_arity(filter)
+        return cast(Predicate, filter)
     raise TypeError(
-        f"{filter!r} ({type(filter).__name__}) is not a filter. A filter is a string (a "
-        f"collection or tag), a variable type (lm.Parameter), True or ... (everything), False "
-        f"or None (nothing), a function (path, variable) -> bool, or a tuple/list of these."
+        f"{filter!r} ({type(filter).__name__}) is not a filter. A filter is {_LITERALS}."
     )
+
+
+def _check_arity(function: Callable) -> None:
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: calling it will tell
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise TypeError(
+            f"the filter function {describe(function)} takes {signature}; a filter is called as "
+            f"filter(path, variable) with the path (a tuple of keys) and the declaration, e.g. "
+            f"lambda path, variable: 'kernel' in path."
+        ) from None
+
+
+def describe(filter: Filter) -> str:
+    """How messages show a filter: literals as written, functions by name and place."""
+    if isinstance(filter, type):
+        return filter.__name__
+    if filter is Ellipsis:
+        return "..."
+    if isinstance(filter, (tuple, list)):
+        inner = ", ".join(map(describe, filter))
+        return (
+            f"({inner}{',' if len(filter) == 1 else ''})"
+            if isinstance(filter, tuple)
+            else f"[{inner}]"
+        )
+    code = getattr(filter, "__code__", None)
+    if code is not None and not isinstance(filter, _FILTER_CLASSES):
+        name = getattr(filter, "__qualname__", "<function>").rsplit(".", 1)[-1]
+        return f"{name} ({code.co_filename}:{code.co_firstlineno})"
+    return repr(filter)
+
+
+def _convert_all(filters: tuple[Filter, ...], combinator: str) -> tuple[Predicate, ...]:
+    predicates = []
+    for position, filter in enumerate(filters):
+        try:
+            predicates.append(_convert(filter))
+        except TypeError as error:
+            raise TypeError(f"{combinator}(...), item {position}: {error}") from None
+    return tuple(predicates)
+
+
+def resolve(predicate: Predicate, plan: Plan) -> Predicate:
+    """Resolves the module-class filters inside `predicate` against `plan` (see `OfType`).
+
+    Args:
+        predicate: A predicate from `to_predicate`.
+        plan: The plan of the model whose variables will be matched.
+
+    Returns:
+        An equivalent predicate that needs no plan; user functions are returned as they are.
+    """
+    if isinstance(predicate, _Combinator):
+        return predicate._resolve(plan)
+    if isinstance(predicate, OfType) and not isinstance(predicate, _ResolvedOfType):
+        return _ResolvedOfType(predicate.type, _paths_reachable_from(plan, predicate.type))
+    return predicate
+
+
+def _paths_reachable_from(plan: Plan, module_type: type) -> frozenset[Path]:
+    """The paths of the variables reachable from the plan's modules that are `module_type`s."""
+    owners = [module for _, module in plan.modules if isinstance(module, module_type)]
+    return frozenset(plan.variables[slot].path for owner in owners for slot in plan.slots_of(owner))
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class WithTag:
-    """Matches variables in collection `tag`, or carrying `tag` among their `tags`."""
+    """Matches variables in collection `tag`, or carrying `tag` among their `tags`.
+
+    Example:
+        >>> import lamina as lm
+        >>> lm.WithTag("params")((), lm.Parameter((2,), lm.initializers.zeros()))
+        True
+    """
 
     tag: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tag, str) or not self.tag:
+            raise TypeError(
+                f"WithTag takes a non-empty string (a collection or tag), got {self.tag!r}."
+            )
 
     def __repr__(self) -> str:
         return f"WithTag({self.tag!r})"
@@ -86,11 +213,38 @@ class WithTag:
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class OfType:
-    """Matches instances of `type` (subclasses included), e.g. ``OfType(lm.Parameter)``."""
+    """Matches variables of a type, or the variables of modules of a type.
+
+    A `State` kind (``OfType(lm.Parameter)``) matches instances of it, subclasses included.
+    A `Module` class (``OfType(lm.Dense)``) matches every variable reachable from a module of
+    that class, so tied variables count for each module that holds them; this depends on the
+    model, so the filter is resolved against its plan before matching (`split`, `mask`,
+    ``to_predicate(filter, plan)`` do it), and calling it unresolved is an error.
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> model = lm.Sequential(lm.Dense(2, 3), lm.LayerNorm(3))
+        >>> variables = lm.transform(model).init(jax.random.key(0))
+        >>> sorted(lm.filter_variables(model, variables, lm.LayerNorm)["params"])
+        ['layers_1']
+    """
 
     type: type
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.type, type):
+            raise TypeError(
+                f"OfType takes a class (lm.Parameter, lm.Dense), got {self.type!r} "
+                f"({type(self.type).__name__})."
+            )
+
     def __call__(self, path: Path, variable: State) -> bool:
+        if issubclass(self.type, Module):
+            raise TypeError(
+                f"{self!r} matches the variables of {self.type.__name__} modules, so it needs "
+                f"the model: use it through lm.split, lm.filter_variables, lm.mask or lm.grad, "
+                f"or resolve it first with lm.to_predicate(filter, plan)."
+            )
         return isinstance(variable, self.type)
 
     def __repr__(self) -> str:
@@ -98,37 +252,87 @@ class OfType:
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
+class _ResolvedOfType(OfType):
+    """`OfType` resolved against a plan: also matches the paths reachable from its modules."""
+
+    paths: frozenset[Path] = frozenset()
+
+    def __call__(self, path: Path, variable: State) -> bool:
+        return isinstance(variable, self.type) or path in self.paths
+
+
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
 class PathContains:
-    """Matches variables whose path holds `key`; with ``exact=False``, a part containing it.
+    """Matches variables whose path holds `key`, compared as text, as paths are shown.
+
+    ``PathContains(0)`` and ``PathContains("0")`` are the same filter and match list item 0
+    and dict key ``"0"`` alike. A key with ``/`` matches consecutive parts
+    (``"encoder/kernel"``). With ``exact=False``, the key may be part of a name. The path
+    starts below the collection: use the string ``"params"`` to select a collection.
 
     Example:
         >>> import lamina as lm
         >>> lm.PathContains("encoder")(("encoder", "kernel"), None)
         True
+        >>> lm.PathContains("0")(("layers", 0, "kernel"), None)
+        True
+        >>> lm.PathContains("layers/0")(("layers", 0, "kernel"), None)
+        True
         >>> lm.PathContains("enc", exact=False)(("encoder", "kernel"), None)
         True
     """
 
-    key: str | int
-    exact: bool = True
+    key: str
+    exact: bool
+
+    def __init__(self, key: str | int, exact: bool = True):
+        if isinstance(key, bool) or not isinstance(key, (str, numbers.Integral)):
+            raise TypeError(
+                f"PathContains takes an attribute name, dict key or list index (a str or int), "
+                f"got {key!r} ({type(key).__name__})."
+            )
+        key = key if isinstance(key, str) else str(int(key))
+        if not key.strip("/"):
+            raise ValueError(
+                f"PathContains needs a key with a name in it, got {key!r}: it would match "
+                f"{'nothing' if exact else 'everything'}."
+            )
+        object.__setattr__(self, "key", key.strip("/"))
+        object.__setattr__(self, "exact", bool(exact))
 
     def __repr__(self) -> str:
         return f"PathContains({self.key!r}{'' if self.exact else ', exact=False'})"
 
     def __call__(self, path: Path, variable: State) -> bool:
-        if self.exact:
-            return self.key in path
-        return builtins.any(str(self.key) in str(part) for part in path)
+        if not self.exact:
+            return self.key in "/".join(map(str, path))
+        parts = self.key.split("/")
+        shown = [str(part) for part in path]
+        n = len(parts)
+        return builtins.any(shown[i : i + n] == parts for i in range(len(shown) - n + 1))
+
+
+class _Combinator:
+    """Filters built from other filters; resolving them resolves their parts."""
+
+    def _resolve(self, plan: Plan) -> Predicate:
+        raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True, init=False, repr=False)
-class Any:
-    """Matches what any of `filters` matches (none given: nothing)."""
+class Any(_Combinator):
+    """Matches what any of `filters` matches (none given: nothing).
+
+    Example:
+        >>> import lamina as lm
+        >>> lm.Any("params", lm.PathContains("head"))
+        Any(WithTag('params'), PathContains('head'))
+    """
 
     filters: tuple[Predicate, ...]
 
     def __init__(self, *filters: Filter):
-        object.__setattr__(self, "filters", tuple(to_predicate(f) for f in filters))
+        object.__setattr__(self, "filters", _convert_all(filters, "lm.Any"))
 
     def __call__(self, path: Path, variable: State) -> bool:
         return builtins.any(f(path, variable) for f in self.filters)
@@ -136,15 +340,24 @@ class Any:
     def __repr__(self) -> str:
         return f"Any({', '.join(map(repr, self.filters))})"
 
+    def _resolve(self, plan: Plan) -> Predicate:
+        return type(self)(*(resolve(f, plan) for f in self.filters))
+
 
 @dataclasses.dataclass(frozen=True, init=False, repr=False)
-class All:
-    """Matches what all of `filters` match (none given: everything)."""
+class All(_Combinator):
+    """Matches what all of `filters` match (none given: everything).
+
+    Example:
+        >>> import lamina as lm
+        >>> lm.All(lm.Parameter, lm.Not(lm.PathContains("head")))
+        All(OfType(Parameter), Not(PathContains('head')))
+    """
 
     filters: tuple[Predicate, ...]
 
     def __init__(self, *filters: Filter):
-        object.__setattr__(self, "filters", tuple(to_predicate(f) for f in filters))
+        object.__setattr__(self, "filters", _convert_all(filters, "lm.All"))
 
     def __call__(self, path: Path, variable: State) -> bool:
         return builtins.all(f(path, variable) for f in self.filters)
@@ -152,10 +365,19 @@ class All:
     def __repr__(self) -> str:
         return f"All({', '.join(map(repr, self.filters))})"
 
+    def _resolve(self, plan: Plan) -> Predicate:
+        return type(self)(*(resolve(f, plan) for f in self.filters))
+
 
 @dataclasses.dataclass(frozen=True, init=False, repr=False)
-class Not:
-    """Matches what `filter` does not."""
+class Not(_Combinator):
+    """Matches what `filter` does not.
+
+    Example:
+        >>> import lamina as lm
+        >>> lm.Not("batch_stats")((), lm.Parameter((2,), lm.initializers.zeros()))
+        True
+    """
 
     filter: Predicate
 
@@ -163,10 +385,13 @@ class Not:
         return f"Not({self.filter!r})"
 
     def __init__(self, filter: Filter):
-        object.__setattr__(self, "filter", to_predicate(filter))
+        object.__setattr__(self, "filter", _convert_all((filter,), "lm.Not")[0])
 
     def __call__(self, path: Path, variable: State) -> bool:
         return not self.filter(path, variable)
+
+    def _resolve(self, plan: Plan) -> Predicate:
+        return Not(resolve(self.filter, plan))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,3 +408,6 @@ class Nothing:
 
     def __call__(self, path: Path, variable: State) -> bool:
         return False
+
+
+_FILTER_CLASSES = (WithTag, OfType, PathContains, Any, All, Not, Everything, Nothing)
