@@ -2,7 +2,9 @@
 
 `tests/test_layers_common.py` runs every check that applies to all layers over this table
 (jit, grad with a numeric check, vmap, checkpoint, dtypes, the golden file of variable paths
-and shapes). A new layer gets an entry here and inherits all of them.
+and shapes). A new layer gets an entry here and inherits all of them; a public layer (an
+`lm.Module` subclass, or a function of `lamina.nn`) that has none fails
+`test_every_public_layer_is_in_the_table`, unless it is in `NOT_LAYERS` with the reason.
 """
 
 from __future__ import annotations
@@ -71,6 +73,29 @@ def d(dtype, param_dtype):
     return {"dtype": dtype, "param_dtype": param_dtype}
 
 
+class Function(lm.Module):
+    """A layer function (`lm.max_pool`, `lm.dropout`...) as a module, with fixed options."""
+
+    def __init__(self, fn, **options):
+        super().__init__()
+        self.fn = fn
+        self.options = options
+
+    def __call__(self, *inputs):
+        return self.fn(*inputs, **self.options)
+
+
+# Public names of `lamina.nn` that are not layers, and why they have no entry in `LAYERS`.
+NOT_LAYERS = {
+    "Module": "the base class of every layer and model, tested in test_module.py",
+    "make_attention_mask": "builds masks, holds nothing; tested against Linen in test_nn_attention",
+    "make_causal_mask": "builds masks, holds nothing; tested against Linen in test_nn_attention",
+    "combine_masks": "combines masks, holds nothing; tested against Linen in test_nn_attention",
+    "merge_lora": "transforms a model and its variables; tested in test_lora.py",
+    "LoRAParam": "a kind of Parameter (a declaration), not a layer; tested in test_lora.py",
+}
+
+
 LAYERS = [
     LayerCase("dense", lambda t, p: lm.Dense(5, 4, **d(t, p)), args(normal(3, 5))),
     LayerCase(
@@ -137,14 +162,12 @@ LAYERS = [
     ),
     LayerCase(
         "attention_self",
-        lambda t, p: lm.MultiHeadAttention(2, 8, qkv_features=8, **d(t, p)),
+        lambda t, p: lm.MultiHeadAttention(2, 8, qkv_size=8, **d(t, p)),
         args(normal(2, 5, 8)),
     ),
     LayerCase(
         "attention_cross_causal",
-        lambda t, p: lm.MultiHeadAttention(
-            2, 6, qkv_features=4, out_features=3, key_features=5, **d(t, p)
-        ),
+        lambda t, p: lm.MultiHeadAttention(2, 6, qkv_size=4, out_size=3, key_size=5, **d(t, p)),
         args(normal(2, 4, 6), normal(2, 4, 5)),
         kwargs={"causal": True},
     ),
@@ -202,6 +225,37 @@ LAYERS = [
             lm.Dense(8, 2, **d(t, p)),
         ),
         args(normal(3, 5)),
+    ),
+]
+
+LAYERS += [
+    LayerCase(
+        "max_pool",
+        lambda t, p: Function(lm.max_pool, kernel_size=(2, 2), strides=2),
+        args(normal(2, 4, 6, 3)),
+    ),
+    LayerCase(
+        "min_pool_int_window",
+        lambda t, p: Function(lm.min_pool, kernel_size=3, padding="SAME"),
+        args(normal(2, 5, 3)),
+    ),
+    LayerCase(
+        "avg_pool",
+        lambda t, p: Function(
+            lm.avg_pool, kernel_size=(3, 3), padding="SAME", count_include_pad=False
+        ),
+        args(normal(2, 4, 4, 3)),
+    ),
+    LayerCase(
+        "dropout_function",
+        lambda t, p: Function(lm.dropout, rate=0.5, is_training=True, broadcast_dims=(0,)),
+        args(normal(4, 5)),
+        needs_rng=True,
+    ),
+    LayerCase(
+        "dot_product_attention",
+        lambda t, p: Function(lm.dot_product_attention),
+        args(normal(2, 5, 2, 4), normal(2, 3, 2, 4), normal(2, 3, 2, 6)),
     ),
 ]
 

@@ -11,7 +11,9 @@ import pytest
 from jax.test_util import check_grads
 
 import lamina as lm
-from tests.layer_table import IDS, LAYERS, cast_inputs
+import lamina.nn
+from tests.helpers import assert_close
+from tests.layer_table import IDS, LAYERS, NOT_LAYERS, cast_inputs
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "layer_variables.json"
 F32 = (jnp.float32, None)
@@ -28,16 +30,6 @@ def build(case, dtype=jnp.float32, param_dtype=None, seed=0):
         return apply(variables, rngs, *inputs, **case.kwargs)
 
     return variables, call, inputs
-
-
-def assert_close(a, b, rtol=1e-5, atol=1e-6):
-    jax.tree.map(
-        lambda x, y: np.testing.assert_allclose(
-            np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol
-        ),
-        a,
-        b,
-    )
 
 
 def differentiable(case, variables, inputs):
@@ -145,12 +137,12 @@ def test_dtypes(case, dtype):
             # 64-bit uniforms give other dropout masks: the same layer, other random draws
             assert all(np.isfinite(np.asarray(x)).all() for x in floats)
         elif dtype == "float64":
-            assert_close(outputs, expected, rtol=1e-4, atol=1e-5)
+            assert_close(outputs, expected, rtol=1e-4, atol=1e-5, check_dtype=False)
         else:
             scale = max(
                 float(np.abs(np.asarray(x, np.float32)).max()) for x in jax.tree.leaves(expected)
             )
-            assert_close(outputs, expected, rtol=5e-2, atol=5e-2 * scale)
+            assert_close(outputs, expected, rtol=5e-2, atol=5e-2 * scale, check_dtype=False)
 
 
 def golden_entry(case):
@@ -169,3 +161,50 @@ def test_golden_variable_paths_and_shapes():
         assert name in recorded, f"{name} is not in {GOLDEN.name}: run with LAMINA_UPDATE_GOLDEN=1"
         assert current[name] == recorded[name], f"the variables of {name} changed"
     assert set(recorded) == set(current)
+
+
+def public_layers():
+    """Every public `lm.*` subclass of `lm.Module`, and every public function of `lamina.nn`."""
+    names = set()
+    for name in dir(lm):
+        obj = getattr(lm, name)
+        if name.startswith("_"):
+            continue
+        if (isinstance(obj, type) and issubclass(obj, lm.Module)) or (
+            callable(obj) and getattr(obj, "__module__", "").startswith("lamina.nn")
+        ):
+            names.add(name)
+    names |= {n for n in dir(lamina.nn) if not n.startswith("_")} - {"annotations"}
+    return {n for n in names if not isinstance(getattr(lamina.nn, n, None), type(lamina.nn))}
+
+
+def covered(case):
+    """The public names that a table entry exercises: its modules' classes and functions."""
+    names, stack, seen = set(), [case.make(jnp.float32, None)], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, lm.Module):
+            names.add(type(node).__name__)
+            stack.extend(vars(node).values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif callable(node):
+            names.add(getattr(node, "__name__", ""))
+    return names
+
+
+def test_every_public_layer_is_in_the_table():
+    """A public layer without an entry in tests/layer_table.py is a failure (as Haiku's)."""
+    in_table = set().union(*(covered(case) for case in LAYERS))
+    missing = sorted(public_layers() - in_table - set(NOT_LAYERS))
+    assert not missing, (
+        f"public layers missing from tests/layer_table.py: {missing}; add an entry to LAYERS "
+        f"(or, if it is not a layer, to NOT_LAYERS with the reason)"
+    )
+    assert not set(NOT_LAYERS) & in_table, "an entry of NOT_LAYERS is in the table after all"
+    assert set(NOT_LAYERS) <= public_layers(), "NOT_LAYERS names something that is not public"

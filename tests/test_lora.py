@@ -9,6 +9,7 @@ from jax import lax
 
 import lamina as lm
 from lamina.nn._checks import SettingTypeError
+from tests.helpers import abstract_init, normal
 
 TOL = {"rtol": 1e-5, "atol": 1e-4}
 
@@ -18,17 +19,8 @@ def rng():
     return np.random.default_rng(0)
 
 
-def normal(rng, *shape):
-    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
-
-
-def abstract_variables(model):
-    """The model's variables as shapes and dtypes, without computing them."""
-    return jax.eval_shape(lm.transform(model).init, jax.random.key(0))
-
-
 def declared_shapes(model):
-    return jax.tree.map(jnp.shape, abstract_variables(model))
+    return jax.tree.map(jnp.shape, abstract_init(model))
 
 
 def random_variables(model, rng):
@@ -40,7 +32,7 @@ def random_variables(model, rng):
             value = np.abs(value) + 0.5
         return jnp.asarray(value, leaf.dtype)
 
-    return jax.tree_util.tree_map_with_path(draw, abstract_variables(model))
+    return jax.tree_util.tree_map_with_path(draw, abstract_init(model))
 
 
 def leaves_by_path(tree):
@@ -359,7 +351,7 @@ def test_merge_lora_without_adapters_is_a_copy(rng):
 
 def test_summary_counts_trainable_adapters(rng):
     model = lm.Sequential(lm.LoRA(lm.Dense(16, 32), rank=4), lm.relu, lm.Dense(32, 2))
-    variables = abstract_variables(model)
+    variables = abstract_init(model)
     summary = lm.summary(model)
     adapters = 16 * 4 + 4 * 32
     base = 16 * 32 + 32 + 32 * 2 + 2
@@ -465,7 +457,7 @@ def test_rank_bounds():
     [
         (lambda: lm.Embed(10, 4), r"LoRA adapts a Dense or a Conv \(groups=1\) layer, got Embed\."),
         (lambda: lm.ConvTranspose(3, 4, (3, 3)), r"a Conv \(groups=1\) layer, got ConvTranspose\."),
-        (lambda: lm.LoRA(lm.Dense(4, 4), 2), r"got LoRA\. It is already a LoRA"),
+        (lambda: lm.LoRA(lm.Dense(4, 4), rank=2), r"got LoRA\. It is already a LoRA"),
     ],
 )
 def test_unsupported_base(base, match):
@@ -500,7 +492,7 @@ def test_wrong_input_size_reports_the_base(rng):
 
 def test_merge_lora_errors(rng):
     layer = lm.LoRA(lm.Dense(5, 4), rank=2)
-    variables = abstract_variables(layer)
+    variables = abstract_init(layer)
     with pytest.raises(TypeError, match=r"merge_lora takes an lm.Module, got dict"):
         lm.merge_lora(variables, layer)
     base_only = {"params": {"base": variables["params"]["base"]}}
@@ -526,7 +518,7 @@ def test_merge_lora_errors(rng):
         match=r"the base kernel of the LoRA at adapted is also used outside that LoRA, at "
         r"plain/kernel",
     ):
-        lm.merge_lora(model, abstract_variables(model))
+        lm.merge_lora(model, abstract_init(model))
     assert type(model.adapted) is lm.LoRA  # the model is untouched
 
     class TwoAdapters(lm.Module):
@@ -541,4 +533,15 @@ def test_merge_lora_errors(rng):
     with pytest.raises(
         ValueError, match=r"LoRA modules at first and second share their base kernel"
     ):
-        lm.merge_lora(model, abstract_variables(model))
+        lm.merge_lora(model, abstract_init(model))
+
+
+def test_settings_are_keyword_only_and_read_only():
+    with pytest.raises(TypeError, match=r"positional argument"):
+        lm.LoRA(lm.Dense(5, 4), 2, 4.0)  # alpha is keyword-only
+    layer = lm.LoRA(lm.Dense(5, 4), rank=2)
+    for name, value in [("rank", 3), ("base", lm.Dense(6, 4)), ("alpha", 1.0)]:
+        with pytest.raises(AttributeError, match=rf"^LoRA\.{name} is read-only.*Build a new layer"):
+            setattr(layer, name, value)
+    with pytest.raises(TypeError, match=r"a_init must be an initializer"):
+        lm.LoRA(lm.Dense(5, 4), rank=2, a_init="he")

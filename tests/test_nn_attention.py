@@ -19,6 +19,7 @@ from lamina import (
     make_attention_mask,
     make_causal_mask,
 )
+from tests.helpers import assert_close, layout
 
 B, L, F = 2, 5, 6  # batch, length, features of the queries' input
 STD = {"num_heads": 3, "qkv_features": 12, "out_features": 4}  # head_dim 4
@@ -28,12 +29,13 @@ def randn(*shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
-def shapes_and_dtypes(tree):
-    return jax.tree.map(lambda a: (a.shape, a.dtype), dict(tree))
-
-
-def close(a, b, tol=1e-6):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), tol, tol)
+def close(a, b, tol=None):
+    """Equal within float32 rounding (or within `tol`, for lower precisions)."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if tol is None:
+        assert_close(a, b)
+    else:
+        assert_close(a, b, rtol=tol, atol=tol)
 
 
 def linen_mha(**kwargs):
@@ -41,6 +43,15 @@ def linen_mha(**kwargs):
     kwargs.setdefault("kernel_init", nn.initializers.normal(0.5))
     kwargs.setdefault("bias_init", nn.initializers.normal(0.5))
     return nn.MultiHeadDotProductAttention(**kwargs)
+
+
+LAMINA_NAMES = {"qkv_features": "qkv_size", "out_features": "out_size"}
+
+
+def ours_mha(**kwargs):
+    """Our layer for queries of F features, from settings under Linen's names."""
+    kwargs = {LAMINA_NAMES.get(k, k): v for k, v in kwargs.items()}
+    return MultiHeadAttention(in_size=F, **kwargs)
 
 
 def linen_init(linen, *inputs):
@@ -107,8 +118,8 @@ def std_params():
 def test_self_attention_equals_linen_and_init_layout(config):
     linen = linen_mha(**config)
     variables = linen_like(linen, X)
-    apply, ours = zero_variables(MultiHeadAttention(in_features=F, **config))
-    assert shapes_and_dtypes(ours) == shapes_and_dtypes(variables)
+    apply, ours = zero_variables(ours_mha(**config))
+    assert layout(ours) == layout(variables)
     got, new_variables = apply(variables, None, X)
     expected = linen_apply(linen)(variables, X)
     assert got.shape == expected.shape == (B, L, config.get("out_features", F))
@@ -124,7 +135,7 @@ def test_init_layout_and_linens_initializer_shapes(getkey):
         return np.full(shape, len(calls), dtype)
 
     mha = MultiHeadAttention(
-        num_heads=2, in_features=32, out_features=8, kernel_init=recording_init,
+        num_heads=2, in_size=32, out_size=8, kernel_init=recording_init,
         bias_init=recording_init,
     )  # fmt: skip
     variables = lm.transform(mha).init(getkey())
@@ -146,7 +157,7 @@ def test_init_layout_and_linens_initializer_shapes(getkey):
 
 def test_unbatched_and_extra_batch_axes_equal_linen(std_params):
     linen = linen_apply(linen_mha(**STD))
-    apply, _ = zero_variables(MultiHeadAttention(in_features=F, **STD))
+    apply, _ = zero_variables(ours_mha(**STD))
     variables = {"params": std_params}
     for shape in [(L, F), (2, 3, L, F)]:
         inputs = randn(*shape, seed=1)
@@ -158,17 +169,17 @@ def test_cross_attention_equals_linen():
     k_in, v_in = randn(B, 7, 3, seed=2), randn(B, 7, 4, seed=3)
     linen = linen_mha(num_heads=2, qkv_features=8)
     variables = linen_like(linen, X, k_in, v_in)
-    mha = MultiHeadAttention(2, F, qkv_features=8, key_features=3, value_features=4)
+    mha = MultiHeadAttention(2, F, qkv_size=8, key_size=3, value_size=4)
     apply, ours = zero_variables(mha)
-    assert shapes_and_dtypes(ours) == shapes_and_dtypes(variables)
+    assert layout(ours) == layout(variables)
     got, _ = apply(variables, None, X, k_in, v_in)
     assert got.shape == (B, L, F)
     close(got, linen_apply(linen)(variables, X, k_in, v_in))
 
-    # inputs_v defaults to inputs_k, and value_features to key_features
+    # inputs_v defaults to inputs_k, and value_size to key_size
     variables = linen_like(linen, X, k_in)
-    apply, ours = zero_variables(MultiHeadAttention(2, F, qkv_features=8, key_features=3))
-    assert shapes_and_dtypes(ours) == shapes_and_dtypes(variables)
+    apply, ours = zero_variables(MultiHeadAttention(2, F, qkv_size=8, key_size=3))
+    assert layout(ours) == layout(variables)
     close(apply(variables, None, X, k_in)[0], linen_apply(linen)(variables, X, k_in))
 
 
@@ -176,11 +187,11 @@ def test_padding_mask_equals_linen(std_params):
     kv = randn(B, 7, F, seed=4)
     q_valid = np.array([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
     kv_valid = np.array([[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0]])
-    mask = make_attention_mask(q_valid, kv_valid)  # float32, as Linen's
+    mask = make_attention_mask(q_valid, kv_valid)  # bool (Linen's is float32 by default)
     assert mask.shape == (B, 1, L, 7)
     linen = linen_apply(linen_mha(**STD))
     variables = {"params": std_params}
-    apply, _ = zero_variables(MultiHeadAttention(in_features=F, **STD))
+    apply, _ = zero_variables(ours_mha(**STD))
     close(apply(variables, None, X, kv, mask=mask)[0], linen(variables, X, kv, mask=mask))
     # a boolean mask of lower rank (here: per key only) works too; masked keys do not matter
     key_mask = np.array([True] * 4 + [False] * 3)
@@ -194,7 +205,7 @@ def test_padding_mask_equals_linen(std_params):
 def test_causal_equals_linen(std_params):
     linen = linen_apply(linen_mha(**STD))
     variables = {"params": std_params}
-    apply, _ = zero_variables(MultiHeadAttention(in_features=F, **STD))
+    apply, _ = zero_variables(ours_mha(**STD))
     causal = causal_mask((B,), L)
     got, _ = apply(variables, None, X, causal=True)
     close(got, linen(variables, X, mask=causal))
@@ -204,8 +215,8 @@ def test_causal_equals_linen(std_params):
     changed[:, -1] = 100.0
     close(apply(variables, None, changed, causal=True)[0][:, :-1], got[:, :-1])
     # causal and a padding mask together, as Linen's combine_masks
-    valid = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], np.float32)
-    padding = valid[:, None, :, None] * valid[:, None, None, :]
+    valid = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
+    padding = valid[:, None, :, None] & valid[:, None, None, :]
     expected = linen(variables, X, mask=np.logical_and(padding, causal))
     close(apply(variables, None, X, mask=padding, causal=True)[0], expected)
 
@@ -216,7 +227,7 @@ def test_gradients_equal_linen(std_params):
     variables = {"params": std_params}
     mask = np.ones((B, 1, L, 7), bool)
     mask[1, ..., 5:] = False
-    apply, _ = zero_variables(MultiHeadAttention(in_features=F, **STD))
+    apply, _ = zero_variables(ours_mha(**STD))
 
     def ours(v, q, kv):
         return jnp.sum(jnp.sin(apply(v, None, q, kv, mask=mask)[0]))
@@ -238,7 +249,7 @@ def test_dropout_equals_linen_given_the_key(std_params):
     kwargs = {**STD, "dropout_rate": 0.5, "broadcast_dropout": False}
     linen = linen_apply(linen_mha(**kwargs))
     variables = {"params": std_params}
-    apply, _ = zero_variables(MultiHeadAttention(in_features=F, **kwargs))
+    apply, _ = zero_variables(ours_mha(**kwargs))
     key = dropout_key(1)
     got, _ = apply(variables, {"dropout": key}, X, is_training=True)
     # lamina's "dropout" stream hands out fold_in(key, 0) first
@@ -256,10 +267,10 @@ def test_dropout_equals_linen_given_the_key(std_params):
 
 
 def test_dropout_needs_a_key_only_when_active(std_params):
-    apply, variables = zero_variables(MultiHeadAttention(in_features=F, **STD, dropout_rate=0.1))
+    apply, variables = zero_variables(ours_mha(**STD, dropout_rate=0.1))
     with pytest.raises(lm.RngError, match=r"next_rng_key\('dropout'\) found no key"):
         apply(variables, None, X, is_training=True)
-    apply, variables = zero_variables(MultiHeadAttention(in_features=F, **STD), std_params)
+    apply, variables = zero_variables(ours_mha(**STD), std_params)
     got, _ = apply(variables, None, X, is_training=True)  # dropout_rate=0: no key needed
     close(got, apply(variables, None, X)[0])
 
@@ -267,12 +278,10 @@ def test_dropout_needs_a_key_only_when_active(std_params):
 def test_decode_equals_full_causal_pass_and_linens_decode(getkey):
     linen = linen_mha(**STD, decode=True)
     linen_vars = linen_like(linen, X)  # Linen sizes its cache from this input
-    mha = MultiHeadAttention(
-        in_features=F, **STD, kernel_init=lm.initializers.normal(), decode_shape=(B, L)
-    )
+    mha = ours_mha(**STD, kernel_init=lm.initializers.normal(), decode_shape=(B, L))
     init, apply = lm.transform(mha)
     ours = init(getkey())
-    assert shapes_and_dtypes(ours) == shapes_and_dtypes(linen_vars)
+    assert layout(ours) == layout(linen_vars)
     assert int(ours["cache"]["cache_index"]) == 0
     np.testing.assert_array_equal(ours["cache"]["cached_key"], 0.0)
     variables = {"params": linen_vars["params"], "cache": ours["cache"]}
@@ -304,7 +313,7 @@ def test_decode_equals_full_causal_pass_and_linens_decode(getkey):
 
 def test_decode_with_padding_mask_and_short_sequence(std_params):
     max_length = 8
-    mha = MultiHeadAttention(in_features=F, **STD, decode_shape=(B, max_length))
+    mha = ours_mha(**STD, decode_shape=(B, max_length))
     apply, variables = zero_variables(mha, std_params)
     # batch element 1 ignores position 1 (a pad token, say); only L of 8 positions are used
     valid = np.array([[True] * max_length, [True, False] + [True] * (max_length - 2)])
@@ -318,7 +327,7 @@ def test_decode_with_padding_mask_and_short_sequence(std_params):
 
 
 def test_decode_under_jit_and_past_max_length(std_params):
-    mha = MultiHeadAttention(in_features=F, **STD, decode_shape=(B, 3))
+    mha = ours_mha(**STD, decode_shape=(B, 3))
     apply, variables = zero_variables(mha, std_params)
     step = jax.jit(lambda v, x: apply(v, None, x, decode=True))
     eager_out, eager_vars = decode_in_steps(apply, variables, X, [1, 1, 1])
@@ -346,7 +355,7 @@ def test_decode_under_jit_and_past_max_length(std_params):
 
 
 def test_jit_equals_eager(getkey, std_params):
-    mha = MultiHeadAttention(in_features=F, **STD, dropout_rate=0.3)
+    mha = ours_mha(**STD, dropout_rate=0.3)
     apply, variables = zero_variables(mha, std_params)
     rngs = {"dropout": getkey()}  # a default (threefry) key
     eager, _ = apply(variables, rngs, X, causal=True, is_training=True)
@@ -356,9 +365,7 @@ def test_jit_equals_eager(getkey, std_params):
 
 def test_bfloat16_compute_float32_storage(getkey, std_params):
     kwargs = {**STD, "dtype": jnp.bfloat16, "param_dtype": jnp.float32}
-    mha = MultiHeadAttention(
-        in_features=F, **kwargs, kernel_init=lm.initializers.normal(), decode_shape=(B, L)
-    )
+    mha = ours_mha(**kwargs, kernel_init=lm.initializers.normal(), decode_shape=(B, L))
     init, apply = lm.transform(mha)
     ours = init(getkey())
     assert {a.dtype for a in jax.tree.leaves(ours["params"])} == {jnp.dtype(jnp.float32)}
@@ -381,7 +388,7 @@ def test_force_fp32_for_softmax_equals_linen(std_params):
     variables = {"params": std_params}
     with jax.numpy_dtype_promotion("standard"):  # Linen mixes float32 and bfloat16 here
         expected = linen_apply(linen_mha(**kwargs))(variables, X)
-    apply, _ = zero_variables(MultiHeadAttention(in_features=F, **kwargs))
+    apply, _ = zero_variables(ours_mha(**kwargs))
     got, _ = apply(variables, None, X)
     assert got.dtype == expected.dtype == jnp.bfloat16
     close(got, expected, 1e-2)
@@ -389,8 +396,8 @@ def test_force_fp32_for_softmax_equals_linen(std_params):
 
 def test_dot_product_attention_equals_linen():
     q, k, v = randn(B, L, 3, 4, seed=6), randn(B, 7, 3, 4, seed=7), randn(B, 7, 3, 2, seed=8)
-    mask = np.ones((B, 1, L, 7), np.float32)
-    mask[1, ..., 4:] = 0.0
+    mask = np.ones((B, 1, L, 7), bool)
+    mask[1, ..., 4:] = False
     bias = randn(1, 3, L, 7, seed=9)
     key = dropout_key(3)
     static = ("broadcast_dropout", "deterministic", "dropout_rate")
@@ -430,9 +437,12 @@ def test_mask_helpers_equal_linen():
     a = np.array([[1, 0, 2], [3, 3, 0]], np.int32)
     b = np.array([[0, 1, 1, 2], [1, 3, 0, 0]], np.int32)
     for kwargs in [{}, {"extra_batch_dims": 2, "pairwise_fn": jnp.greater_equal}]:
-        got = make_attention_mask(a, b, **kwargs)
         expected = nn.make_attention_mask(a, b, **kwargs)
-        assert got.shape == expected.shape and got.dtype == expected.dtype == jnp.float32
+        got = make_attention_mask(a, b, **kwargs)  # bool by default; Linen's is float32
+        assert got.shape == expected.shape and got.dtype == jnp.bool_
+        np.testing.assert_array_equal(got, expected != 0)
+        got = make_attention_mask(a, b, **kwargs, dtype=jnp.float32)
+        assert got.dtype == expected.dtype == jnp.float32
         np.testing.assert_array_equal(got, expected)
     got = make_attention_mask(a > 0, b > 0, dtype=jnp.bool_)
     assert got.dtype == jnp.bool_ and got.shape == (2, 1, 3, 4)
@@ -440,15 +450,15 @@ def test_mask_helpers_equal_linen():
     for shape, extra in [((2, 3), 0), ((3,), 1)]:
         got = make_causal_mask(np.ones(shape), extra_batch_dims=extra)
         expected = nn.make_causal_mask(np.ones(shape), extra_batch_dims=extra)
-        assert got.shape == expected.shape
-        np.testing.assert_array_equal(got, expected)
+        assert got.shape == expected.shape and got.dtype == jnp.bool_
+        np.testing.assert_array_equal(got, expected != 0)
     padding = make_attention_mask(a > 0, a > 0)
     causal = make_causal_mask(a)
-    np.testing.assert_array_equal(
-        combine_masks(padding, None, causal), nn.combine_masks(padding, None, causal)
-    )
+    combined = combine_masks(padding, None, causal)
+    assert combined.dtype == jnp.bool_
+    np.testing.assert_array_equal(combined, nn.combine_masks(padding, None, causal) != 0)
     assert combine_masks(None, None) is None
-    assert combine_masks(padding, dtype=jnp.bool_).dtype == jnp.bool_
+    assert combine_masks(padding, dtype=jnp.float32).dtype == jnp.float32
 
 
 # --- errors a user can cause ------------------------------------------------------------------
@@ -466,19 +476,23 @@ def ones(shape):
     return np.ones(shape, np.float32)
 
 
+def trues(shape):
+    return np.ones(shape, bool)
+
+
 FEATURE_ERRORS = [
     (
         (ones((B, L, 7)),),
-        r"inputs_q of shape \(2, 5, 7\): its last axis must be in_features=6, got 7\. Pass "
-        r"inputs_q of shape \(\.\.\., 6\), or build the layer with in_features=7",
+        r"inputs_q of shape \(2, 5, 7\): its last axis must be in_size=6, got 7\. Pass "
+        r"inputs_q of shape \(\.\.\., 6\), or build the layer with in_size=7",
     ),
     (
         (ones((B, L, F)), ones((B, 7, 4))),
-        r"inputs_k of shape \(2, 7, 4\): its last axis must be key_features=6, got 4",
+        r"inputs_k of shape \(2, 7, 4\): its last axis must be key_size=6, got 4",
     ),
     (
         (ones((B, L, F)), ones((B, 7, F)), ones((B, 7, 3))),
-        r"inputs_v of shape \(2, 7, 3\): its last axis must be value_features=6, got 3",
+        r"inputs_v of shape \(2, 7, 3\): its last axis must be value_size=6, got 3",
     ),
 ]
 
@@ -505,13 +519,13 @@ CALL_ERRORS = [
     ),
     (
         (ones((B, L, F)),),
-        {"mask": ones((B, 1, L, 7))},
+        {"mask": trues((B, 1, L, 7))},
         r"mask of shape \(2, 1, 5, 7\) does not broadcast to the attention weights' shape "
         r"\(batch..., num_heads, q_length, kv_length\) = \(2, 3, 5, 5\)",
     ),
     (
         (ones((B, L, F)),),
-        {"mask": ones((1, B, 1, L, L))},
+        {"mask": trues((1, B, 1, L, L))},
         r"mask of shape \(1, 2, 1, 5, 5\) does not broadcast",
     ),
     ((ones((B, L, F)),), {"is_training": np.bool_(True)}, r"is_training must be a Python bool"),
@@ -548,7 +562,7 @@ DECODE_ERRORS = [
     ),
     (
         (ones((B, 1, F)),),
-        {"mask": ones((B, 1, 1, 2))},
+        {"mask": trues((B, 1, 1, 2))},
         r"mask of shape \(2, 1, 1, 2\) does not broadcast to the attention weights' shape "
         r"\(batch..., num_heads, q_length, kv_length\) = \(2, 3, 1, 4\)",
     ),
@@ -565,21 +579,21 @@ def test_decode_errors(built, args, kwargs, match):
 
 CONSTRUCTOR_ERRORS = [
     (
-        {"num_heads": 4, "in_features": 6},
-        r"qkv_features=6 is not divisible by num_heads=4; each head gets qkv_features // "
+        {"num_heads": 4, "in_size": 6},
+        r"qkv_size=6 is not divisible by num_heads=4; each head gets qkv_size // "
         r"num_heads features",
     ),
-    ({"num_heads": 2, "in_features": 6, "qkv_features": 9}, r"qkv_features=9 is not divisible"),
-    ({"num_heads": 0, "in_features": 6}, r"num_heads must be a positive int, got 0"),
-    ({"num_heads": 2, "in_features": 6.0}, r"in_features must be a positive int, got 6.0"),
-    ({"num_heads": 2, "in_features": 6, "key_features": -1}, r"key_features must be a positive"),
-    ({"num_heads": 2, "in_features": 6, "dropout_rate": 1.0}, r"dropout_rate must be a number "),
+    ({"num_heads": 2, "in_size": 6, "qkv_size": 9}, r"qkv_size=9 is not divisible"),
+    ({"num_heads": 0, "in_size": 6}, r"num_heads must be a positive int, got 0"),
+    ({"num_heads": 2, "in_size": 6.0}, r"in_size must be a positive int, got 6.0"),
+    ({"num_heads": 2, "in_size": 6, "key_size": -1}, r"key_size must be a positive"),
+    ({"num_heads": 2, "in_size": 6, "dropout_rate": 1.0}, r"dropout_rate must be a number "),
     (
-        {"num_heads": 2, "in_features": 6, "decode_shape": (2, 0)},
+        {"num_heads": 2, "in_size": 6, "decode_shape": (2, 0)},
         r"decode_shape must be a non-empty tuple of positive ints, \(\*batch, max_length\); "
         r"got \(2, 0\)",
     ),
-    ({"num_heads": 2, "in_features": 6, "decode_shape": 16}, r"decode_shape must be a non-empty"),
+    ({"num_heads": 2, "in_size": 6, "decode_shape": 16}, r"decode_shape must be a non-empty"),
 ]
 
 
@@ -591,7 +605,7 @@ def test_constructor_errors(kwargs, match):
 
 q4 = ones((B, L, 3, 4))
 FUNCTION_ERRORS = [
-    ((q4, ones((B, 7, 3, 4)), ones((B, 7, 3, 2))), {"mask": ones((B, 1, L, 6))}, r"mask of shape"),
+    ((q4, ones((B, 7, 3, 4)), ones((B, 7, 3, 2))), {"mask": trues((B, 1, L, 6))}, r"mask of shape"),
     (
         (q4, ones((B, 7, 3, 4)), ones((B, 7, 3, 2))),
         {"bias": ones((B, 2, L, 7))},
@@ -617,6 +631,53 @@ def test_dot_product_attention_errors(args, kwargs, match):
 def test_dot_product_attention_is_training_must_be_a_bool():
     with pytest.raises(TypeError, match=r"is_training must be a Python bool, got int"):
         dot_product_attention(q4, q4, q4, is_training=1)
+
+
+@pytest.mark.parametrize(
+    ("mask", "match"),
+    [
+        (
+            np.where(np.tril(np.ones((L, L))) > 0, 0.0, -np.inf).astype(np.float32),
+            r"mask must be a boolean array \(True keeps a query-key pair\), got dtype float32\. "
+            r"If it is an additive mask \(0 keeps, -inf or a large negative number drops\), "
+            r"pass it as bias=",
+        ),
+        (
+            np.ones((L, L), np.int32),
+            r"mask must be a boolean array .*, got dtype int32\. If it is a "
+            r"0/1 mask, convert it",
+        ),
+    ],
+)
+def test_masks_must_be_boolean(built, mask, match):
+    """A float additive mask was silently cast to bool and inverted: now it is an error."""
+    (apply, variables), _ = built
+    with pytest.raises(TypeError, match=r"^MultiHeadAttention: " + match):
+        apply(variables, None, ones((B, L, F)), mask=mask)
+    with pytest.raises(TypeError, match=r"^dot_product_attention: " + match):
+        dot_product_attention(q4, q4, q4, mask=mask)
+
+
+def test_additive_mask_as_bias_equals_the_boolean_mask():
+    causal = np.tril(np.ones((L, L), bool))
+    additive = np.where(causal, 0.0, -1e9).astype(np.float32)
+    q = randn(B, L, 3, 4, seed=11)
+    close(
+        dot_product_attention(q, q, q, bias=additive), dot_product_attention(q, q, q, mask=causal)
+    )
+
+
+def test_mask_helper_settings_are_checked():
+    with pytest.raises(ValueError, match=r"^make_attention_mask: extra_batch_dims must be a non"):
+        make_attention_mask(ones((1, 2)), ones((1, 2)), extra_batch_dims=-1)
+    with pytest.raises(TypeError, match=r"^make_attention_mask: pairwise_fn must be a function"):
+        make_attention_mask(ones((1, 2)), ones((1, 2)), pairwise_fn="multiply")
+    with pytest.raises(TypeError, match=r"takes 2 positional arguments but 3 were given"):
+        make_attention_mask(ones((1, 2)), ones((1, 2)), jnp.greater)  # options are keywords
+    with pytest.raises(ValueError, match=r"^make_causal_mask: x must have a length axis"):
+        make_causal_mask(np.float32(1.0))
+    with pytest.raises(TypeError, match=r"^make_causal_mask: extra_batch_dims must be"):
+        make_causal_mask(ones((1, 2)), extra_batch_dims=True)
 
 
 def test_combine_masks_of_different_ranks():

@@ -1,20 +1,23 @@
 """The checks the layers share (lamina/nn/_checks.py): every layer words an error the same way."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import lamina as lm
+from tests.helpers import apply_to
 
 
 @pytest.mark.parametrize(
     ("make", "where", "name"),
     [
         (lambda v: lm.Conv(3, v, 3), r"Conv\(in_size=3, out_size=.*\)", "out_size"),
-        (lambda v: lm.LayerNorm(v), "LayerNorm", "num_features"),
-        (lambda v: lm.MultiHeadAttention(2, v), "MultiHeadAttention", "in_features"),
-        (lambda v: lm.GRUCell(3, v), "GRUCell", "hidden_features"),
+        (lambda v: lm.LayerNorm(v), "LayerNorm", "size"),
+        (lambda v: lm.MultiHeadAttention(2, v), "MultiHeadAttention", "in_size"),
+        (lambda v: lm.GRUCell(3, v), "GRUCell", "hidden_size"),
+        (lambda v: lm.Dense(v, 3), "Dense", "in_size"),
+        (lambda v: lm.Embed(10, v), "Embed", "size"),
+        (lambda v: lm.LSTMCell(v, 3), "LSTMCell", "in_size"),
     ],
 )
 def test_sizes_are_positive_ints_everywhere(make, where, name):
@@ -33,14 +36,9 @@ def test_numbers_in_a_range():
         lm.MultiHeadAttention(2, 4, dropout_rate=1.0)
     with pytest.raises(ValueError, match=r"momentum must be a number in \[0, 1\] \(the weight"):
         lm.BatchNorm(4, momentum=1.5)
-    with pytest.raises(ValueError, match=r"epsilon must be a non-negative number"):
+    with pytest.raises(ValueError, match=r"epsilon must be a finite non-negative number"):
         lm.RMSNorm(4, epsilon="1e-6")
     assert lm.BatchNorm(4, momentum=np.float32(0.9)).momentum == pytest.approx(0.9)
-
-
-def apply_to(layer, *args, **kwargs):
-    init, apply = lm.transform(layer)
-    return apply(init(jax.random.key(0)), None, *args, **kwargs)
 
 
 def test_flags_must_be_python_bools_everywhere():
@@ -75,8 +73,8 @@ def test_last_axis_errors_name_the_layer_and_the_setting():
     gru = lm.GRUCell(4, 2)
     for layer, args, where in [
         (lm.Dense(4, 2), (x,), r"Dense\(in_size=4, out_size=2\)"),
-        (lm.LayerNorm(4), (x,), r"LayerNorm\(num_features=4\)"),
-        (gru, (gru.initialize_carry((3,)), x), r"GRUCell\(in_features=4, hidden_features=2\)"),
+        (lm.LayerNorm(4), (x,), r"LayerNorm\(size=4\)"),
+        (gru, (gru.initialize_carry((3,)), x), r"GRUCell\(in_size=4, hidden_size=2\)"),
     ]:
         with pytest.raises(ValueError, match=where + r" got an input of shape \(3, 5\): its "):
             apply_to(layer, *args)

@@ -8,6 +8,7 @@ import pytest
 
 import lamina as lm
 from lamina import Conv, ConvTranspose
+from tests.helpers import abstract_init, assert_close, layout
 
 
 @pytest.fixture
@@ -19,24 +20,6 @@ def normal():
     """
     rng = np.random.default_rng(0)
     return lambda shape, dtype=jnp.float32: jnp.asarray(rng.standard_normal(shape), dtype)
-
-
-def layout(variables):
-    return jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype)), dict(variables))
-
-
-def assert_close(got, expected, tol):
-    """Leaf by leaf: same shapes and dtypes, values within `tol` relative to the leaf's scale.
-
-    The absolute part scales with the largest value: rounding errors of a sum grow with its
-    terms, not with its result (bfloat16 cancellations are otherwise flagged as mismatches).
-    """
-    assert jax.tree.structure(got) == jax.tree.structure(expected)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        assert a.shape == b.shape and a.dtype == b.dtype
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        scale = max(1.0, float(np.max(np.abs(b))))
-        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale)
 
 
 def linen_variables(linen, x, normal):
@@ -68,7 +51,7 @@ def check_against_linen(linen, ours, x, normal, tol=1e-5):
     )
     got = outputs_and_gradients(lambda v, x: apply(v, None, x)[0], variables, x, cotangent)
     assert float(jnp.max(jnp.abs(expected[0].astype(jnp.float32)))) > 0.1  # a real signal
-    assert_close(got, expected, tol)
+    assert_close(got, expected, rtol=tol, atol=tol)
     return got[0]
 
 
@@ -243,10 +226,6 @@ def test_init_values(getkey):
     # lecun_normal over fan_in = 3 * 3 * (4 // 2) = 18, and zero biases (Linen's defaults)
     assert abs(float(jnp.std(params["kernel"])) - 18**-0.5) < 0.03
     np.testing.assert_array_equal(params["bias"], np.zeros(64, np.float32))
-
-
-def abstract_init(layer):
-    return jax.eval_shape(lm.transform(layer).init, jax.random.key(0))
 
 
 def test_init_layout_and_settings():

@@ -10,6 +10,7 @@ import pytest
 
 import lamina as lm
 from lamina import BatchNorm, GroupNorm, LayerNorm, RMSNorm
+from tests.helpers import assert_close, layout
 
 FEATURES = 6
 GROUPS = 3
@@ -95,19 +96,6 @@ def randomize(variables, key):
 
 def inputs(key, shape, dtype=jnp.float32):
     return (1.0 + 2.0 * jax.random.normal(key, shape)).astype(dtype)
-
-
-def layout(tree):
-    return jax.tree.map(lambda a: (a.shape, a.dtype), dict(tree))
-
-
-def assert_close(got, expected, rtol=1e-6, atol=1e-6):
-    assert jax.tree.structure(got) == jax.tree.structure(expected)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        assert a.dtype == b.dtype
-        np.testing.assert_allclose(
-            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=atol
-        )
 
 
 # --- layout and options ------------------------------------------------------------------------
@@ -359,7 +347,7 @@ def test_bfloat16_compute_float32_storage_matches_linen(getkey, kind, x_dtype):
     )
     assert float(jnp.mean(y.astype(jnp.float32) == y_linen.astype(jnp.float32))) > 0.98
     if kind == "batch":
-        assert_close(new["batch_stats"], dict(stats_linen), rtol=1e-6, atol=1e-6)
+        assert_close(new["batch_stats"], dict(stats_linen))
         assert_close(new["params"], variables["params"], rtol=0, atol=0)
 
 
@@ -402,13 +390,13 @@ def test_batch_norm_under_jit_with_static_is_training(getkey):
 @pytest.mark.parametrize(
     ("layer", "call", "settings"),
     [
-        (BatchNorm(FEATURES), lambda f, x: f(x, True), r"BatchNorm\(num_features=6\)"),
-        (LayerNorm(FEATURES), lambda f, x: f(x), r"LayerNorm\(num_features=6\)"),
-        (RMSNorm(FEATURES), lambda f, x: f(x), r"RMSNorm\(num_features=6\)"),
+        (BatchNorm(FEATURES), lambda f, x: f(x, True), r"BatchNorm\(size=6\)"),
+        (LayerNorm(FEATURES), lambda f, x: f(x), r"LayerNorm\(size=6\)"),
+        (RMSNorm(FEATURES), lambda f, x: f(x), r"RMSNorm\(size=6\)"),
         (
             GroupNorm(GROUPS, FEATURES),
             lambda f, x: f(x),
-            r"GroupNorm\(num_groups=3, num_features=6\)",
+            r"GroupNorm\(num_groups=3, size=6\)",
         ),
     ],
     ids=["batch", "layer", "rms", "group"],
@@ -419,12 +407,12 @@ def test_wrong_last_axis_is_a_clear_error(getkey, layer, call, settings):
     with pytest.raises(
         ValueError,
         match=settings + r" got an input of shape \(2, 4, 5\): its last axis must be "
-        r"num_features=6, got 5\..*num_features=5.*features must be on the last axis",
+        r"size=6, got 5\..*size=5.*features must be on the last axis",
     ):
         call(lambda *a: apply(variables, None, *a), jnp.ones((2, 4, 5)))
     with pytest.raises(
         ValueError,
-        match=settings + r" got an input of shape \(\): its last axis must be num_features=6, "
+        match=settings + r" got an input of shape \(\): its last axis must be size=6, "
         r"but a scalar has none",
     ):
         call(lambda *a: apply(variables, None, *a), jnp.ones(()))
@@ -433,12 +421,12 @@ def test_wrong_last_axis_is_a_clear_error(getkey, layer, call, settings):
 def test_group_norm_groups_must_divide_features():
     with pytest.raises(
         ValueError,
-        match=r"GroupNorm: num_groups=4 does not divide num_features=6.*divisors of 6: 1, 2, 3, 6",
+        match=r"GroupNorm: num_groups=4 does not divide size=6.*divisors of 6: 1, 2, 3, 6",
     ):
         GroupNorm(4, 6)
-    for bad in (0, -2, 2.0, None):
+    for bad in (0, -2, 2.0, None, True):
         with pytest.raises(
-            ValueError, match=rf"num_groups must be a positive int, got {bad!r}.*divisors of 6"
+            ValueError, match=rf"^GroupNorm: num_groups must be a positive int, got {bad!r}\.$"
         ):
             GroupNorm(bad, 6)
 
@@ -454,13 +442,21 @@ def test_momentum_outside_unit_interval(momentum):
 )
 def test_bad_settings_are_clear_errors(layer):
     for bad in (0, -3, 2.5, True):
-        with pytest.raises(ValueError, match=r"num_features must be a positive int"):
+        with pytest.raises(ValueError, match=r"Norm: size must be a positive int, the size of"):
             layer(bad)
-    with pytest.raises(ValueError, match=r"epsilon must be a non-negative number"):
-        layer(FEATURES, epsilon=-1e-5)
+    for bad in (-1e-5, float("nan"), float("inf"), "1e-5"):
+        with pytest.raises(ValueError, match=r"Norm: epsilon must be a finite non-negative number"):
+            layer(FEATURES, epsilon=bad)
     for name in ("dtype", "param_dtype"):
         with pytest.raises(TypeError, match=rf"Norm: {name} must be a dtype such as jnp.float32"):
             layer(FEATURES, **{name: "float3"})
+        with pytest.raises(TypeError, match=rf"Norm: {name} must be a floating dtype"):
+            layer(FEATURES, **{name: jnp.int32})
+    for name in ("use_scale", "scale_init"):
+        with pytest.raises(TypeError, match=rf"Norm: {name} must be"):
+            layer(FEATURES, **{name: "yes"})
+    with pytest.raises(TypeError, match=r"positional argument"):
+        layer(FEATURES, 1e-3)  # epsilon is keyword-only
 
 
 def test_batch_norm_axis_name_errors(getkey):

@@ -16,6 +16,7 @@ import lamina as lm
 from lamina import RNN, GRUCell, LSTMCell
 from lamina.nn.cells import lstm_step
 from lamina.nn.recurrent import flip_sequences
+from tests.helpers import assert_close, layout, normal
 
 B, T, IN, HID = 3, 6, 3, 4
 CELLS = {"lstm": (LSTMCell, nn.LSTMCell), "gru": (GRUCell, nn.GRUCell)}
@@ -52,23 +53,6 @@ def linen_apply(module, variables, *args, **kwargs):
     return jax.jit(lambda v, *a, **k: module.apply(v, *a, **k))(variables, *args, **kwargs)
 
 
-def abstract(tree):
-    return jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), dict(tree))
-
-
-def assert_close(got, expected, rtol=1e-6, atol=1e-6):
-    assert jax.tree.structure(got) == jax.tree.structure(expected)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
-        np.testing.assert_allclose(
-            np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol, atol=atol
-        )
-
-
-def normal(rng, *shape):
-    return jnp.asarray(rng.standard_normal(shape).astype(np.float32))
-
-
 def random_carry(kind, rng, batch=(B,)):
     if kind == "lstm":
         return normal(rng, *batch, HID), normal(rng, *batch, HID)
@@ -92,11 +76,11 @@ def test_init_layout_equals_linen(kind):
     key = jax.random.key(0)
     carry = linen(kind).initialize_carry(key, (B, IN))
     linen_cell = jax.eval_shape(lambda: linen(kind).init(key, carry, jnp.zeros((B, IN))))
-    assert abstract(jax.eval_shape(lm.transform(ours(kind)).init, key)) == abstract(linen_cell)
+    assert layout(jax.eval_shape(lm.transform(ours(kind)).init, key)) == layout(linen_cell)
     # inside RNN the cell's variables live under "cell", as in Linen
     linen_rnn = jax.eval_shape(lambda: nn.RNN(linen(kind)).init(key, jnp.zeros((B, T, IN))))
     got = jax.eval_shape(lm.transform(RNN(ours(kind))).init, key)
-    assert abstract(got) == abstract(linen_rnn)
+    assert layout(got) == layout(linen_rnn)
     assert set(linen_rnn["params"]) == {"cell"}
 
 
@@ -288,8 +272,8 @@ def test_rnn_reverse_and_keep_order_by_hand(rng):
     h = jnp.zeros((B, HID))
     for t in range(T):
         h, y = step({"params": variables["params"]["cell"]}, None, h, x[:, T - 1 - t])[0]
-        np.testing.assert_allclose(backward[:, t], y, rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(kept[:, T - 1 - t], y, rtol=1e-6, atol=1e-6)
+        assert_close(backward[:, t], y)
+        assert_close(kept[:, T - 1 - t], y)
 
 
 def test_rnn_unbatched_sequence_equals_linen(rng):
@@ -362,10 +346,10 @@ def test_rnn_seq_lengths_several_batch_axes_and_zero_length(rng):
         initial_carry=flat[1],
         seq_lengths=flat[2],
     )
-    np.testing.assert_allclose(y.reshape(2 * B, T, HID), ye, rtol=1e-6, atol=1e-6)
+    assert_close(y.reshape(2 * B, T, HID), ye)
     valid = np.asarray(flat[2]) > 0  # Linen's carry for a length of 0 is the last step's
-    np.testing.assert_allclose(c.reshape(2 * B, HID)[valid], ce[valid], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(h.reshape(2 * B, HID)[valid], he[valid], rtol=1e-6, atol=1e-6)
+    assert_close(c.reshape(2 * B, HID)[valid], ce[valid])
+    assert_close(h.reshape(2 * B, HID)[valid], he[valid])
     # length 0: the initial carry, unchanged
     np.testing.assert_array_equal(c[0, 2], initial[0][0, 2])
     np.testing.assert_array_equal(h[0, 2], initial[1][0, 2])
@@ -407,7 +391,7 @@ def test_bidirectional_equals_linen(rng):
         }
     }
     init, apply = lm.transform(Bidirectional("gru"))
-    assert abstract(jax.eval_shape(init, jax.random.key(0))) == abstract(
+    assert layout(jax.eval_shape(init, jax.random.key(0))) == layout(
         jax.eval_shape(lambda: module.init(jax.random.key(0), x))
     )
     got, _ = apply(variables, None, x, lengths)
@@ -468,7 +452,7 @@ def test_rnn_under_vmap(rng):
     variables = linen_rnn_variables("gru")
     _, apply = lm.transform(RNN(ours("gru")))
     batched, _ = jax.vmap(lambda s: apply(variables, None, s))(x)
-    np.testing.assert_allclose(batched, apply(variables, None, x)[0], rtol=1e-6, atol=1e-6)
+    assert_close(batched, apply(variables, None, x)[0])
 
 
 class SimpleCell(lm.Module):
@@ -541,14 +525,14 @@ def test_cell_wrong_input_size(kind):
     name = type(cell).__name__
     with pytest.raises(
         ValueError,
-        match=rf"{name}\(in_features=3, hidden_features=4\) got an input of shape \(3, 5\): "
-        r"its last axis must be in_features=3, got 5\. Pass an input of shape \(\.\.\., 3\), or "
-        r"build the layer with in_features=5",
+        match=rf"{name}\(in_size=3, hidden_size=4\) got an input of shape \(3, 5\): "
+        r"its last axis must be in_size=3, got 5\. Pass an input of shape \(\.\.\., 3\), or "
+        r"build the layer with in_size=5",
     ):
         apply(variables, None, cell.initialize_carry((B,)), jnp.ones((B, 5)))
     with pytest.raises(
         ValueError,
-        match=r"got an input of shape \(\): its last axis must be in_features=3, but a scalar "
+        match=r"got an input of shape \(\): its last axis must be in_size=3, but a scalar "
         r"has none",
     ):
         apply(variables, None, cell.initialize_carry(()), jnp.ones(()))
@@ -581,8 +565,8 @@ def test_rnn_wrong_input_size(time_major):
     _, apply = lm.transform(RNN(LSTMCell(IN, HID), time_major=time_major))
     with pytest.raises(
         ValueError,
-        match=r"RNN\(LSTMCell\(in_features=3\)\) got inputs of shape \(3, 6, 5\): its last axis "
-        r"must be in_features=3, got 5\..*in_features=5",
+        match=r"RNN\(LSTMCell\(in_size=3\)\) got inputs of shape \(3, 6, 5\): its last axis "
+        r"must be in_size=3, got 5\..*in_size=5",
     ):
         apply(linen_rnn_variables("lstm"), None, jnp.ones((B, T, 5)))
 
@@ -634,12 +618,29 @@ def test_rnn_bad_seq_lengths():
         apply(variables, None, x, seq_lengths=jnp.array([1.0, 2.0]))
 
 
+@pytest.mark.parametrize("bad", [-2, T + 1, 99])
+def test_rnn_seq_lengths_out_of_range(bad):
+    """Lengths of -2 or 99 were accepted silently; concrete ones are checked."""
+    _, apply = lm.transform(RNN(GRUCell(IN, HID), return_carry=True))
+    variables = linen_rnn_variables("gru")
+    x = jnp.ones((2, T, IN))
+    with pytest.raises(
+        ValueError,
+        match=rf"^RNN's seq_lengths must be in \[0, {T}\] \(the inputs' time axis has {T} steps, "
+        rf"shape \(2, {T}, {IN}\), time_major=False\); got {bad}\.",
+    ):
+        apply(variables, None, x, seq_lengths=jnp.array([3, bad]))
+    # the bounds themselves are lengths; under jit the lengths are traced and not checked
+    apply(variables, None, x, seq_lengths=jnp.array([0, T]))
+    jax.jit(apply)(variables, None, x, seq_lengths=jnp.array([0, T]))
+
+
 def test_bad_settings():
-    with pytest.raises(ValueError, match=r"LSTMCell: in_features must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"LSTMCell: in_size must be a positive int, got 0"):
         LSTMCell(0, HID)
-    with pytest.raises(TypeError, match=r"GRUCell: hidden_features must be a positive int"):
+    with pytest.raises(TypeError, match=r"GRUCell: hidden_size must be a positive int"):
         GRUCell(IN, "4")
-    assert GRUCell(np.int64(IN), HID).in_features == IN
+    assert GRUCell(np.int64(IN), HID).in_size == IN
     with pytest.raises(TypeError, match=r"LSTMCell: param_dtype must be a dtype such as"):
         LSTMCell(IN, HID, param_dtype="f32x")
     with pytest.raises(TypeError, match=r"GRUCell: gate_fn must be a function"):
@@ -648,5 +649,17 @@ def test_bad_settings():
         RNN(lm.Dense(IN, HID))
     with pytest.raises(ValueError, match=r"RNN: unroll must be a positive int.*got 0"):
         RNN(GRUCell(IN, HID), unroll=0)
+    with pytest.raises(TypeError, match=r"RNN: unroll must be a positive int.*got 2\.0"):
+        RNN(GRUCell(IN, HID), unroll=2.0)
+    with pytest.raises(TypeError, match=r"^RNN: reverse must be True or False, got str 'yes'"):
+        RNN(GRUCell(IN, HID), reverse="yes")
+    with pytest.raises(TypeError, match=r"positional argument"):
+        RNN(GRUCell(IN, HID), True)  # time_major is keyword-only
+    with pytest.raises(TypeError, match=r"positional argument"):
+        GRUCell(IN, HID, lm.relu)  # gate_fn is keyword-only
+    with pytest.raises(TypeError, match=r"^LSTMCell: dtype must be a floating dtype"):
+        LSTMCell(IN, HID, dtype=jnp.int32)
+    with pytest.raises(TypeError, match=r"^GRUCell: recurrent_kernel_init must be an initializer"):
+        GRUCell(IN, HID, recurrent_kernel_init=None)
     with pytest.raises(TypeError, match=r"LSTMCell.initialize_carry takes the batch shape"):
         LSTMCell(IN, HID).initialize_carry((2, IN, -1))

@@ -56,6 +56,7 @@ class _Flattened2d:
 
     def __call__(self, key: Any, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
         shape = tuple(shape)
+        flat: tuple[int, ...]
         if self.n_in:
             flat = (math.prod(shape[: self.n_in]), math.prod(shape[self.n_in :]))
         else:

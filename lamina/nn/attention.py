@@ -127,8 +127,10 @@ def dot_product_attention(
         query: ``(batch..., q_length, num_heads, depth)``.
         key: ``(batch..., kv_length, num_heads, depth)``.
         value: ``(batch..., kv_length, num_heads, v_depth)``.
-        mask: Broadcastable to ``(batch..., num_heads, q_length, kv_length)``; attention is
-            kept where it is True (nonzero), as Linen's masks (`make_attention_mask`).
+        mask: A boolean array broadcastable to ``(batch..., num_heads, q_length,
+            kv_length)``; attention is kept where it is True (`make_attention_mask`,
+            `make_causal_mask`). Only bool masks are accepted: a 0/1 mask of numbers is
+            ``mask.astype(bool)``, and an additive mask (0 keeps, -inf drops) is a `bias`.
         bias: Added to the attention logits; broadcastable like `mask`.
         is_training: Apply dropout to the attention weights (a Python bool).
         dropout_rate: Probability of dropping an attention weight, in ``[0, 1)``.
@@ -145,7 +147,7 @@ def dot_product_attention(
     Raises:
         ValueError: Shapes that do not fit together, a mask or bias that does not broadcast,
             a dropout rate outside ``[0, 1)``, or a non-floating dtype.
-        TypeError: `is_training` is not a Python bool.
+        TypeError: A mask that is not boolean; `is_training` is not a Python bool.
 
     Example:
         >>> import jax.numpy as jnp, lamina as lm
@@ -156,17 +158,21 @@ def dot_product_attention(
     """
     where = "dot_product_attention"
     _checks.python_bool(where, is_training=is_training)
-    _checks.non_negative(where, "dropout_rate", dropout_rate, below=1.0)
+    dropout_rate = _checks.non_negative(where, "dropout_rate", dropout_rate, below=1.0)
+    broadcast_dropout = _checks.flag(where, "broadcast_dropout", broadcast_dropout)
+    force_fp32 = _checks.flag(where, "force_fp32_for_softmax", force_fp32_for_softmax)
+    precision = _checks.precision(where, precision)
     q_shape, k_shape, v_shape = jnp.shape(query), jnp.shape(key), jnp.shape(value)
     _check_heads(q_shape, k_shape, v_shape)
     weights_shape = (*q_shape[:-3], q_shape[-2], q_shape[-3], k_shape[-3])
     if mask is not None:
+        check_mask(where, mask)
         check_broadcast(where, "mask", jnp.shape(mask), weights_shape)
     if bias is not None:
         check_broadcast(where, "bias", jnp.shape(bias), weights_shape)
     if dtype is None:
         dtype = jnp.result_type(query, key, value)
-    dtype = jnp.dtype(dtype)
+    dtype = _checks.as_dtype(where, "dtype", dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(
             f"{where}: the compute dtype must be floating, got {dtype}; pass "
@@ -182,20 +188,21 @@ def dot_product_attention(
         bias,
         mask,
         rng,
-        0.0 if rng is None else float(dropout_rate),  # one compiled program when not training
-        bool(broadcast_dropout),
+        0.0 if rng is None else dropout_rate,  # one compiled program when not training
+        broadcast_dropout,
         dtype,
         precision,
-        bool(force_fp32_for_softmax),
+        force_fp32,
     )
 
 
 def make_attention_mask(
     query_input: jax.Array,
     key_input: jax.Array,
+    *,
     pairwise_fn: Callable[..., Any] = jnp.multiply,
     extra_batch_dims: int = 0,
-    dtype: Any = jnp.float32,
+    dtype: Any = jnp.bool_,
 ) -> jax.Array:
     """A mask of every query position against every key position, as Linen's.
 
@@ -208,7 +215,8 @@ def make_attention_mask(
         key_input: ``(batch..., kv_length)``.
         pairwise_fn: Broadcasting elementwise function of the two.
         extra_batch_dims: Leading singleton axes to add.
-        dtype: Dtype of the mask (Linen's default, float32; any dtype works as a mask).
+        dtype: Dtype of the mask: bool (the default; Linen's is float32), the only dtype that
+            `dot_product_attention` and `MultiHeadAttention` take as a mask.
 
     Returns:
         ``(1,) * extra_batch_dims + (batch..., 1, q_length, kv_length)``.
@@ -217,15 +225,19 @@ def make_attention_mask(
         >>> import jax.numpy as jnp, lamina as lm
         >>> valid = jnp.array([[1, 1, 0]])
         >>> lm.make_attention_mask(valid, valid)[0, 0]
-        Array([[1., 1., 0.],
-               [1., 1., 0.],
-               [0., 0., 0.]], dtype=float32)
+        Array([[ True,  True, False],
+               [ True,  True, False],
+               [False, False, False]], dtype=bool)
     """
-    return _attention_mask(query_input, key_input, pairwise_fn, int(extra_batch_dims), dtype)
+    where = "make_attention_mask"
+    pairwise_fn = _checks.function(where, "pairwise_fn", pairwise_fn, "jnp.multiply")
+    extra = _checks.non_negative_int(where, "extra_batch_dims", extra_batch_dims)
+    dtype = _checks.as_dtype(where, "dtype", dtype)
+    return _attention_mask(query_input, key_input, pairwise_fn, extra, dtype)
 
 
 def make_causal_mask(
-    x: jax.Array, extra_batch_dims: int = 0, dtype: Any = jnp.float32
+    x: jax.Array, *, extra_batch_dims: int = 0, dtype: Any = jnp.bool_
 ) -> jax.Array:
     """A causal mask for self-attention over `x`'s last axis, as Linen's.
 
@@ -234,29 +246,37 @@ def make_causal_mask(
     Args:
         x: ``(batch..., length)``; only its shape is used.
         extra_batch_dims: Leading singleton axes to add.
-        dtype: Dtype of the mask (Linen's default, float32).
+        dtype: Dtype of the mask: bool (the default; Linen's is float32).
 
     Returns:
         ``(1,) * extra_batch_dims + (batch..., 1, length, length)``.
 
     Example:
         >>> import jax.numpy as jnp, lamina as lm
-        >>> lm.make_causal_mask(jnp.ones((1, 3)), dtype=jnp.bool_)[0, 0]
+        >>> lm.make_causal_mask(jnp.ones((1, 3)))[0, 0]
         Array([[ True, False, False],
                [ True,  True, False],
                [ True,  True,  True]], dtype=bool)
     """
+    where = "make_causal_mask"
+    extra = _checks.non_negative_int(where, "extra_batch_dims", extra_batch_dims)
+    dtype = _checks.as_dtype(where, "dtype", dtype)
     shape = jnp.shape(x)
+    if not shape:
+        raise ValueError(
+            f"{where}: x must have a length axis, (batch..., length), got a scalar; for one "
+            f"sequence pass an array of shape (length,)."
+        )
     idxs = jnp.broadcast_to(jnp.arange(shape[-1], dtype=jnp.int32), shape)
-    return _attention_mask(idxs, idxs, jnp.greater_equal, int(extra_batch_dims), dtype)
+    return _attention_mask(idxs, idxs, jnp.greater_equal, extra, dtype)
 
 
-def combine_masks(*masks: jax.Array | None, dtype: Any = jnp.float32) -> jax.Array | None:
+def combine_masks(*masks: jax.Array | None, dtype: Any = jnp.bool_) -> jax.Array | None:
     """The logical AND of the masks that are not None, as Linen's.
 
     Args:
         *masks: Masks of the same rank (or None, ignored).
-        dtype: Dtype of the result.
+        dtype: Dtype of the result: bool (the default; Linen's is float32).
 
     Returns:
         The combined mask, or None when every mask is None.
@@ -270,10 +290,11 @@ def combine_masks(*masks: jax.Array | None, dtype: Any = jnp.float32) -> jax.Arr
         >>> padding = lm.make_attention_mask(valid, valid)
         >>> mask = lm.combine_masks(padding, lm.make_causal_mask(valid))
         >>> mask[0, 0]
-        Array([[1., 0., 0.],
-               [1., 1., 0.],
-               [0., 0., 0.]], dtype=float32)
+        Array([[ True, False, False],
+               [ True,  True, False],
+               [False, False, False]], dtype=bool)
     """
+    dtype = _checks.as_dtype("combine_masks", "dtype", dtype)
     present = tuple(m for m in masks if m is not None)
     if not present:
         return None
@@ -302,6 +323,24 @@ def _check_heads(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) -> 
         raise ValueError(f"{where}: query and key must have the same depth (last axis); {shapes}.")
     if k[-3] != v[-3]:
         raise ValueError(f"{where}: key and value must have the same length (axis -3); {shapes}.")
+
+
+def check_mask(where: str, mask: Any) -> None:
+    """Raises `TypeError` unless `mask` is boolean (True keeps an attention pair)."""
+    dtype = jnp.result_type(mask)
+    if dtype != jnp.bool_:
+        if jnp.issubdtype(dtype, jnp.floating):
+            fix = (
+                "If it is an additive mask (0 keeps, -inf or a large negative number drops), "
+                "pass it as bias= instead (dot_product_attention), or convert it: mask == 0. "
+                "If it is a 0/1 mask, convert it: mask.astype(bool)"
+            )
+        else:
+            fix = "If it is a 0/1 mask, convert it: mask.astype(bool)"
+        raise TypeError(
+            f"{where}: mask must be a boolean array (True keeps a query-key pair), got dtype "
+            f"{dtype}. {fix}. make_attention_mask and make_causal_mask return bool masks."
+        )
 
 
 def check_broadcast(where: str, what: str, shape: tuple[int, ...], target: tuple[int, ...]) -> None:

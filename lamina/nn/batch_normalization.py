@@ -14,18 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from .. import initializers
-from .._core.module import Module
 from .._core.variables import BatchStat, Initializer
 from . import _checks
-from .norm import (
-    check_epsilon,
-    check_features_axis,
-    check_num_features,
-    moments,
-    normalize,
-    promote,
-    scale_and_bias,
-)
+from .norm import Normalization, moments, normalize, promote
 
 
 @functools.partial(
@@ -75,7 +66,7 @@ def batch_norm(
     return y, new_mean, new_var
 
 
-class BatchNorm(Module):
+class BatchNorm(Normalization):
     """Batch normalisation over all axes but the last (the features), as Flax Linen's.
 
     Called as ``bn(x, is_training)``. While training, `x` is normalised with the mean and
@@ -83,14 +74,14 @@ class BatchNorm(Module):
     ``ra = momentum * ra + (1 - momentum) * batch_stat``; otherwise the running averages
     normalise `x` and nothing is written. Variables are Linen's: params ``scale`` and
     ``bias``, and batch stats ``mean`` and ``var`` (collection ``"batch_stats"``, float32),
-    all of shape ``(num_features,)``.
+    all of shape ``(size,)``.
 
     `is_training` must be a Python bool, because it decides whether state is written: under
     `jax.jit`, make it static (``jax.jit(step, static_argnames="is_training")``) or call
     ``apply`` with a literal ``True``/``False`` inside the jitted function.
 
     Args:
-        num_features: Size of the input's last axis.
+        size: Size of the input's last axis.
         momentum: Decay of the running averages, in ``[0, 1]``.
         epsilon: Added to the variance before the square root.
         use_scale: Whether to multiply by a learned ``scale``.
@@ -103,6 +94,8 @@ class BatchNorm(Module):
         dtype: Output dtype; statistics are computed in at least float32.
         param_dtype: Storage dtype of ``scale`` and ``bias`` (default: `dtype`), which are
             also applied in it, as Linen does.
+
+    Everything after `size` is keyword-only.
 
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
@@ -118,9 +111,13 @@ class BatchNorm(Module):
         >>> y, same = apply(new, None, x, False)  # evaluation: running averages, no writes
     """
 
+    momentum = _checks.Setting()
+    axis_name = _checks.Setting()
+
     def __init__(
         self,
-        num_features: int,
+        size: int,
+        *,
         momentum: float = 0.99,
         epsilon: float = 1e-5,
         use_scale: bool = True,
@@ -131,44 +128,45 @@ class BatchNorm(Module):
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
-        super().__init__()
-        self.num_features = check_num_features("BatchNorm", num_features)
+        super().__init__(
+            size,
+            epsilon=epsilon,
+            use_scale=use_scale,
+            use_bias=use_bias,
+            scale_init=scale_init,
+            bias_init=bias_init,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
+        where = type(self).__name__
         self.momentum = _checks.non_negative(
-            "BatchNorm",
+            where,
             "momentum",
             momentum,
             at_most=1.0,
             meaning=" (the weight of the old running average, typically 0.9 to 0.999)",
         )
-        self.epsilon = check_epsilon("BatchNorm", epsilon)
-        self.use_scale = bool(use_scale)
-        self.use_bias = bool(use_bias)
-        if axis_name is not None and not isinstance(axis_name, (str, tuple)):
+        names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+        if axis_name is not None and not all(isinstance(n, str) and n for n in names):
             raise TypeError(
-                f"BatchNorm: axis_name must be None, the name of a mapped axis (a string, as "
+                f"{where}: axis_name must be None, the name of a mapped axis (a string, as "
                 f"in jax.vmap(f, axis_name='batch')) or a tuple of names; got {axis_name!r}."
             )
         self.axis_name = axis_name
-        self.dtype = _checks.as_dtype("BatchNorm", "dtype", dtype)
-        self.scale, self.bias = scale_and_bias(
-            "BatchNorm",
-            num_features,
-            use_scale,
-            use_bias,
-            scale_init,
-            bias_init,
-            dtype,
-            param_dtype,
-        )
-        self.mean = BatchStat((num_features,), initializers.zeros(), jnp.float32)
-        self.var = BatchStat((num_features,), initializers.ones(), jnp.float32)
+        self.mean = BatchStat((self.size,), initializers.zeros(), jnp.float32)
+        self.var = BatchStat((self.size,), initializers.ones(), jnp.float32)
 
     def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
-        """Normalises `x` of shape ``(..., num_features)``; updates the averages if training."""
-        _checks.python_bool("BatchNorm", is_training=is_training)
-        check_features_axis("BatchNorm", f"num_features={self.num_features}", self.num_features, x)
-        scale = self.scale.value if self.scale is not None else None
-        bias = self.bias.value if self.bias is not None else None
+        """Normalises `x` of shape ``(..., size)``; updates the averages if training."""
+        _checks.python_bool(type(self).__name__, is_training=is_training)
+        self._check_input(x)
+        if is_training and jnp.ndim(x) < 2:
+            raise ValueError(
+                f"{self._describe()} got an input of shape {jnp.shape(x)} while training: batch "
+                f"statistics need a batch axis, (batch..., {self.size}); a single example would "
+                f"be normalised to zeros. Add one: x[None]."
+            )
+        scale, bias = self._scale_and_bias()
         try:
             y, new_mean, new_var = batch_norm(
                 x,

@@ -108,7 +108,7 @@ def _batch_shape(cls: str, batch_shape: Any) -> tuple[int, ...]:
         raise TypeError(
             f"{cls}.initialize_carry takes the batch shape (a tuple of non-negative ints, "
             f"without the feature axis), got {batch_shape!r}; e.g. initialize_carry((32,)) "
-            f"for inputs of shape (32, in_features)."
+            f"for inputs of shape (32, in_size)."
         )
     return tuple(int(d) for d in dims)
 
@@ -125,38 +125,51 @@ class _Cell(Module, abc.ABC):
     _gates: tuple[str, ...] = ()
     _carry_doc = "h"
 
+    in_size = _checks.Setting()
+    hidden_size = _checks.Setting()
+    gate_fn = _checks.Setting()
+    activation_fn = _checks.Setting()
+    dtype = _checks.Setting()
+    param_dtype = _checks.Setting()
+
     def __init__(
         self,
-        in_features: int,
-        hidden_features: int,
+        in_size: int,
+        hidden_size: int,
+        *,
         gate_fn: Callable[..., Any],
         activation_fn: Callable[..., Any],
+        kernel_init: Initializer,
+        recurrent_kernel_init: Initializer,
+        bias_init: Initializer,
         dtype: Any,
         param_dtype: Any,
+        input_biases: tuple[str, ...],
+        hidden_biases: tuple[str, ...],
     ):
         super().__init__()
         cls = type(self).__name__
-        self.in_features = _checks.positive_int(cls, "in_features", in_features)
-        self.hidden_features = _checks.positive_int(cls, "hidden_features", hidden_features)
-        for name, fn in (("gate_fn", gate_fn), ("activation_fn", activation_fn)):
-            if not callable(fn):
-                raise TypeError(f"{cls}: {name} must be a function such as lm.sigmoid, got {fn!r}.")
+        self.in_size = _checks.positive_int(cls, "in_size", in_size)
+        self.hidden_size = _checks.positive_int(cls, "hidden_size", hidden_size)
         # Passed to the compiled step as static arguments: `transform`'s copy of the cell
         # shares JAX's functions (`lm.sigmoid`, `jnp.tanh`), so every copy hits its cache.
-        self.gate_fn = gate_fn
-        self.activation_fn = activation_fn
-        self.dtype = _checks.as_dtype(cls, "dtype", dtype)
-        self.param_dtype = (
-            self.dtype if param_dtype is None else _checks.as_dtype(cls, "param_dtype", param_dtype)
+        self.gate_fn = _checks.function(cls, "gate_fn", gate_fn, "lm.sigmoid")
+        self.activation_fn = _checks.function(cls, "activation_fn", activation_fn, "lm.tanh")
+        self.dtype = _checks.inexact_dtype(cls, "dtype", dtype)
+        self.param_dtype = _checks.storage_dtype(cls, param_dtype, self.dtype)
+        kernel_init = _checks.initializer(cls, "kernel_init", kernel_init)
+        recurrent_kernel_init = _checks.initializer(
+            cls, "recurrent_kernel_init", recurrent_kernel_init
         )
+        bias_init = _checks.initializer(cls, "bias_init", bias_init)
+        self._dense_per_gate("i", kernel_init, bias_init, biased=input_biases)
+        self._dense_per_gate("h", recurrent_kernel_init, bias_init, biased=hidden_biases)
 
     def _dense_per_gate(
         self,
         source: str,
         kernel_init: Initializer,
         bias_init: Initializer,
-        dtype: Any,
-        param_dtype: Any,
         biased: tuple[str, ...],
     ) -> None:
         """Declares one `Dense` per gate from `source`, named ``source + gate`` as in Linen.
@@ -165,16 +178,16 @@ class _Cell(Module, abc.ABC):
         `biased` have a bias. The names include Python keywords (``if``, ``in``), so they are
         set and read by name.
         """
-        size = self.in_features if source == "i" else self.hidden_features
+        size = self.in_size if source == "i" else self.hidden_size
         for gate in self._gates:
             layer = Dense(
                 size,
-                self.hidden_features,
+                self.hidden_size,
                 use_bias=gate in biased,
                 kernel_init=kernel_init,
                 bias_init=bias_init,
-                dtype=dtype,
-                param_dtype=param_dtype,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
             )
             setattr(self, f"{source}{gate}", layer)
 
@@ -186,13 +199,10 @@ class _Cell(Module, abc.ABC):
         )
 
     def _describe(self) -> str:
-        return (
-            f"{type(self).__name__}(in_features={self.in_features}, "
-            f"hidden_features={self.hidden_features})"
-        )
+        return f"{type(self).__name__}(in_size={self.in_size}, hidden_size={self.hidden_size})"
 
     def _zeros(self, batch_shape: Any) -> jax.Array:
-        shape = (*_batch_shape(type(self).__name__, batch_shape), self.hidden_features)
+        shape = (*_batch_shape(type(self).__name__, batch_shape), self.hidden_size)
         return jnp.zeros(shape, self.param_dtype)
 
     @abc.abstractmethod
@@ -208,8 +218,8 @@ class _Cell(Module, abc.ABC):
         """The jitted step function with this cell's settings."""
 
     def __call__(self, carry: Carry, x: jax.Array) -> tuple[Carry, jax.Array]:
-        """One step: ``(new_carry, y)`` for the carry and `x` of shape ``(*batch, in_features)``."""
-        shape = _checks.check_last_axis(self._describe, x, self.in_features, "in_features")
+        """One step: ``(new_carry, y)`` for the carry and `x` of shape ``(*batch, in_size)``."""
+        shape = _checks.check_last_axis(self._describe, x, self.in_size, "in_size")
         self._check_carry(carry, shape[:-1])
         return self._kernel()(self._weights(), carry, x)
 
@@ -220,7 +230,7 @@ class _Cell(Module, abc.ABC):
             raise ValueError(
                 f"{self._describe()} got a carry of shapes {got} for an input with batch shape "
                 f"{batch}; the carry must be {self._carry_doc} with shapes {expected} (the "
-                f"input's batch shape + (hidden_features,)). Create one with "
+                f"input's batch shape + (hidden_size,)). Create one with "
                 f"cell.initialize_carry({batch})."
             )
 
@@ -238,18 +248,18 @@ class LSTMCell(_Cell):
         c' = f c + i g, \qquad h' = o \tanh(c').
 
     ``cell(carry, x)`` takes the carry ``(c, h)`` and an input of shape
-    ``(*batch, in_features)`` and returns ``((c', h'), h')``. Variables are Linen's: `Dense`
+    ``(*batch, in_size)`` and returns ``((c', h'), h')``. Variables are Linen's: `Dense`
     submodules ``ii, if, ig, io`` (input to gate: ``kernel`` of shape
-    ``(in_features, hidden_features)``, no bias) and ``hi, hf, hg, ho`` (hidden to gate:
-    ``kernel`` of shape ``(hidden_features, hidden_features)`` and ``bias``).
+    ``(in_size, hidden_size)``, no bias) and ``hi, hf, hg, ho`` (hidden to gate:
+    ``kernel`` of shape ``(hidden_size, hidden_size)`` and ``bias``).
 
     The gates are computed in `dtype`; the carry keeps its own dtype (`param_dtype` from
     `initialize_carry`), so bfloat16 compute with float32 storage keeps ``c`` and ``h`` in
     float32, as Linen does.
 
     Args:
-        in_features: Size of the input's last axis.
-        hidden_features: Size of ``c`` and ``h`` (Linen's `features`).
+        in_size: Size of the input's last axis.
+        hidden_size: Size of ``c`` and ``h`` (Linen's `features`).
         gate_fn: Activation of the gates ``i, f, o``.
         activation_fn: Activation of ``g`` and of the output ``tanh(c')``.
         kernel_init: Initializer of the input kernels.
@@ -258,6 +268,9 @@ class LSTMCell(_Cell):
         dtype: Compute dtype.
         param_dtype: Storage dtype of the variables and dtype of `initialize_carry`'s carry
             (default: `dtype`).
+
+    Everything after `hidden_size` is keyword-only. Linen's ``features`` is `hidden_size`;
+    `in_size` is declared here because lamina does not infer shapes.
 
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
@@ -276,12 +289,13 @@ class LSTMCell(_Cell):
     _carry_doc = "a tuple (c, h)"
 
     def _carry_shapes(self, batch: tuple[int, ...]) -> Any:
-        return ((*batch, self.hidden_features),) * 2
+        return ((*batch, self.hidden_size),) * 2
 
     def __init__(
         self,
-        in_features: int,
-        hidden_features: int,
+        in_size: int,
+        hidden_size: int,
+        *,
         gate_fn: Callable[..., Any] = sigmoid,
         activation_fn: Callable[..., Any] = tanh,
         kernel_init: Initializer = initializers.lecun_normal(),
@@ -290,16 +304,24 @@ class LSTMCell(_Cell):
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
-        super().__init__(in_features, hidden_features, gate_fn, activation_fn, dtype, param_dtype)
-        self._dense_per_gate("i", kernel_init, bias_init, dtype, param_dtype, biased=())
-        self._dense_per_gate(
-            "h", recurrent_kernel_init, bias_init, dtype, param_dtype, biased=_LSTM_GATES
+        super().__init__(
+            in_size,
+            hidden_size,
+            gate_fn=gate_fn,
+            activation_fn=activation_fn,
+            kernel_init=kernel_init,
+            recurrent_kernel_init=recurrent_kernel_init,
+            bias_init=bias_init,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            input_biases=(),
+            hidden_biases=_LSTM_GATES,
         )
 
     def initialize_carry(
         self, batch_shape: Sequence[int] | int = ()
     ) -> tuple[jax.Array, jax.Array]:
-        """Returns the zero carry ``(c, h)``, each of shape ``(*batch_shape, hidden_features)``.
+        """Returns the zero carry ``(c, h)``, each of shape ``(*batch_shape, hidden_size)``.
 
         Args:
             batch_shape: The input's shape without its feature axis (``()`` for one example).
@@ -333,14 +355,14 @@ class GRUCell(_Cell):
         n = \tanh(W_{in} x + b_{in} + r (W_{hn} h + b_{hn})), \qquad
         h' = (1 - z) n + z h.
 
-    ``cell(h, x)`` takes the carry ``h`` and an input of shape ``(*batch, in_features)`` and
+    ``cell(h, x)`` takes the carry ``h`` and an input of shape ``(*batch, in_size)`` and
     returns ``(h', h')``. Variables are Linen's: `Dense` submodules ``ir, iz, in`` (input to
-    gate: ``kernel`` of shape ``(in_features, hidden_features)`` and ``bias``), ``hr, hz``
+    gate: ``kernel`` of shape ``(in_size, hidden_size)`` and ``bias``), ``hr, hz``
     (hidden to gate: ``kernel`` only) and ``hn`` (``kernel`` and ``bias``).
 
     Args:
-        in_features: Size of the input's last axis.
-        hidden_features: Size of ``h`` (Linen's `features`).
+        in_size: Size of the input's last axis.
+        hidden_size: Size of ``h`` (Linen's `features`).
         gate_fn: Activation of the gates ``r, z``.
         activation_fn: Activation of the candidate ``n``.
         kernel_init: Initializer of the input kernels.
@@ -349,6 +371,9 @@ class GRUCell(_Cell):
         dtype: Compute dtype.
         param_dtype: Storage dtype of the variables and dtype of `initialize_carry`'s carry
             (default: `dtype`).
+
+    Everything after `hidden_size` is keyword-only. Linen's ``features`` is `hidden_size`;
+    `in_size` is declared here because lamina does not infer shapes.
 
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
@@ -364,14 +389,16 @@ class GRUCell(_Cell):
 
     _gates = _GRU_GATES
     _carry_doc = "one array h"
+    hn: Any  # the hidden-to-candidate Dense, set with the other gates in __init__
 
     def _carry_shapes(self, batch: tuple[int, ...]) -> Any:
-        return (*batch, self.hidden_features)
+        return (*batch, self.hidden_size)
 
     def __init__(
         self,
-        in_features: int,
-        hidden_features: int,
+        in_size: int,
+        hidden_size: int,
+        *,
         gate_fn: Callable[..., Any] = sigmoid,
         activation_fn: Callable[..., Any] = tanh,
         kernel_init: Initializer = initializers.lecun_normal(),
@@ -380,14 +407,22 @@ class GRUCell(_Cell):
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
-        super().__init__(in_features, hidden_features, gate_fn, activation_fn, dtype, param_dtype)
-        self._dense_per_gate("i", kernel_init, bias_init, dtype, param_dtype, biased=_GRU_GATES)
-        self._dense_per_gate(
-            "h", recurrent_kernel_init, bias_init, dtype, param_dtype, biased=("n",)
+        super().__init__(
+            in_size,
+            hidden_size,
+            gate_fn=gate_fn,
+            activation_fn=activation_fn,
+            kernel_init=kernel_init,
+            recurrent_kernel_init=recurrent_kernel_init,
+            bias_init=bias_init,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            input_biases=_GRU_GATES,
+            hidden_biases=("n",),
         )
 
     def initialize_carry(self, batch_shape: Sequence[int] | int = ()) -> jax.Array:
-        """Returns the zero carry ``h`` of shape ``(*batch_shape, hidden_features)``.
+        """Returns the zero carry ``h`` of shape ``(*batch_shape, hidden_size)``.
 
         Args:
             batch_shape: The input's shape without its feature axis (``()`` for one example).
@@ -411,7 +446,7 @@ class GRUCell(_Cell):
         return _Kernel(gru_step, self._settings())
 
 
-def carry_shapes(cell: Module, batch: tuple[int, ...]) -> Any:
+def carry_shapes(cell: Any, batch: tuple[int, ...]) -> Any:
     """The shapes of the carry that `cell` takes for inputs of batch shape `batch`."""
     if isinstance(cell, _Cell):
         return cell._carry_shapes(batch)

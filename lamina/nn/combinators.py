@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._core.module import Module
+from . import _checks
 
 
 class Sequential(Module):
@@ -16,6 +17,10 @@ class Sequential(Module):
     into its keyword arguments (as Flax Linen's ``Sequential``). Layers are stored as the
     attributes ``layers_0``, ``layers_1``, ..., the names Linen gives them, so the variables
     of a Linen ``Sequential`` load directly.
+
+    ``seq.layers`` is a tuple, read-only: to replace a layer, assign its attribute
+    (``seq.layers_0 = lm.Dense(4, 16)``); to add or remove layers, build a new
+    ``Sequential(*seq.layers, extra)``.
 
     Args:
         *layers: The layers.
@@ -31,23 +36,39 @@ class Sequential(Module):
         (3, 2)
     """
 
+    num_layers = _checks.Setting()
+
     def __init__(self, *layers: Module | Callable[..., Any]):
         super().__init__()
+        where = type(self).__name__
+        if len(layers) == 1 and isinstance(layers[0], (list, tuple)):
+            raise TypeError(
+                f"{where} takes the layers as separate arguments, got one "
+                f"{type(layers[0]).__name__}; unpack it: {where}(*layers)."
+            )
         if not layers:
-            raise ValueError("Sequential needs at least one layer.")
+            raise ValueError(f"{where} needs at least one layer.")
         for i, layer in enumerate(layers):
             if not callable(layer):
                 raise TypeError(
-                    f"Sequential: layer {i} is a {type(layer).__name__}, which cannot be "
+                    f"{where}: layer {i} is a {type(layer).__name__}, which cannot be "
                     f"called; pass modules or functions."
                 )
             setattr(self, f"layers_{i}", layer)
         self.num_layers = len(layers)
 
     @property
-    def layers(self) -> list[Module | Callable[..., Any]]:
-        """The layers, in order."""
-        return [getattr(self, f"layers_{i}") for i in range(self.num_layers)]
+    def layers(self) -> tuple[Callable[..., Any], ...]:
+        """The layers, in order: a tuple (assign ``seq.layers_<i>`` to replace one)."""
+        return tuple(getattr(self, f"layers_{i}") for i in range(self.num_layers))
+
+    @layers.setter
+    def layers(self, value: Any) -> None:
+        raise AttributeError(
+            f"{type(self).__name__}.layers is read-only (a tuple made from the attributes "
+            f"layers_0, layers_1, ...). To replace layer i, assign seq.layers_i = new_layer; "
+            f"to change the number of layers, build a new {type(self).__name__}(*layers)."
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the layers in order."""

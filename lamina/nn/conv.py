@@ -18,7 +18,7 @@ from . import _checks
 
 PaddingLike = str | int | Sequence[int | Sequence[int]]
 # What the kernels receive: a padding name, or one (low, high) pair per spatial axis.
-CanonicalPadding = str | tuple[tuple[int, int], ...]
+CanonicalPadding = _checks.CanonicalPadding
 
 _CONV_PADDINGS = ("SAME", "VALID", "CIRCULAR", "REFLECT", "CAUSAL")
 _CONV_TRANSPOSE_PADDINGS = ("SAME", "VALID", "CIRCULAR")
@@ -140,91 +140,19 @@ def _layer_name(layer: str, in_size: Any, out_size: Any, kernel_size: Any) -> st
     return f"{layer}(in_size={in_size!r}, out_size={out_size!r}, kernel_size={kernel_size!r})"
 
 
-def _ints(value: Any) -> tuple[int, ...] | None:
-    """`value` as a tuple of ints if it is a sequence of ints, else None."""
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        return None
-    if not all(_checks.is_int(v) for v in value):
-        return None
-    return tuple(int(v) for v in value)
-
-
-def _kernel_size(where: str, kernel_size: Any) -> tuple[int, ...]:
-    window = (int(kernel_size),) if _checks.is_int(kernel_size) else _ints(kernel_size)
-    if window is None:
-        raise TypeError(
-            f"{where}: kernel_size must be an int or a tuple of ints, one per spatial axis, got "
-            f"{kernel_size!r}."
-        )
-    if not 1 <= len(window) <= 3:
-        raise ValueError(
-            f"{where}: kernel_size {kernel_size!r} has {len(window)} entries; it must have 1, 2 "
-            f"or 3 (one per spatial axis), e.g. kernel_size=(3, 3) for images."
-        )
-    if not all(k >= 1 for k in window):
-        raise ValueError(f"{where}: every entry of kernel_size must be >= 1, got {kernel_size!r}.")
-    return window
-
-
-def _per_axis(where: str, name: str, value: Any, num_spatial: int) -> tuple[int, ...]:
-    values = (int(value),) * num_spatial if _checks.is_int(value) else _ints(value)
-    if values is None:
-        raise TypeError(
-            f"{where}: {name} must be an int or a tuple of {num_spatial} ints, got {value!r}."
-        )
-    if len(values) != num_spatial:
-        raise ValueError(
-            f"{where}: {name}={value!r} has {len(values)} entries but kernel_size has "
-            f"{num_spatial} spatial axes; give one per axis, or a single int for all of them."
-        )
-    if not all(v >= 1 for v in values):
-        raise ValueError(f"{where}: every entry of {name} must be >= 1, got {value!r}.")
-    return values
-
-
-def _padding(
-    where: str, padding: Any, num_spatial: int, allowed: tuple[str, ...]
-) -> CanonicalPadding:
-    names = ", ".join(repr(a) for a in allowed)
-    if isinstance(padding, str):
-        name = padding.upper()
-        if name not in allowed:
-            raise ValueError(
-                f"{where}: unknown padding {padding!r}; use one of {names}, an int, or one "
-                f"(low, high) pair per spatial axis."
-            )
-        if name == "CAUSAL" and num_spatial != 1:
-            raise ValueError(
-                f"{where}: padding='CAUSAL' is only defined for 1-D convolutions, but "
-                f"kernel_size has {num_spatial} spatial axes; pad explicitly with (low, high) "
-                f"pairs instead."
-            )
-        return name
-    if _checks.is_int(padding):
-        return ((int(padding), int(padding)),) * num_spatial
-    bad = TypeError(
-        f"{where}: padding must be one of {names}, an int, or a sequence of {num_spatial} "
-        f"entries (one per spatial axis), each an int or a (low, high) pair of ints; got "
-        f"{padding!r}."
-    )
-    if not isinstance(padding, Sequence):
-        raise bad
-    pairs = []
-    for p in padding:
-        pair = (int(p), int(p)) if _checks.is_int(p) else _ints(p)
-        if pair is None or len(pair) != 2:
-            raise bad
-        pairs.append(pair)
-    if len(pairs) != num_spatial:
-        raise ValueError(
-            f"{where}: padding {padding!r} has {len(pairs)} (low, high) pairs but kernel_size "
-            f"has {num_spatial} spatial axes; give exactly one pair per spatial axis."
-        )
-    return tuple(pairs)
-
-
 class _Convolution(Module):
-    """What `Conv` and `ConvTranspose` share: their window's settings, and the checks."""
+    """What `Conv` and `ConvTranspose` share: their settings, their weights, and the checks."""
+
+    in_size = _checks.Setting()
+    out_size = _checks.Setting()
+    kernel_size = _checks.Setting()
+    strides = _checks.Setting()
+    padding = _checks.Setting()
+    dilation = _checks.Setting()
+    use_bias = _checks.Setting()
+    dtype = _checks.Setting()
+    param_dtype = _checks.Setting()
+    precision = _checks.Setting()
 
     def __init__(
         self,
@@ -240,18 +168,18 @@ class _Convolution(Module):
         where = _layer_name(type(self).__name__, in_size, out_size, kernel_size)
         self.in_size = _checks.positive_int(where, "in_size", in_size)
         self.out_size = _checks.positive_int(where, "out_size", out_size)
-        self.kernel_size = _kernel_size(where, kernel_size)
+        self.kernel_size = _checks.window(where, "kernel_size", kernel_size, max_axes=3)
         n = len(self.kernel_size)
-        self.strides = _per_axis(where, "strides", strides, n)
-        self.padding = _padding(where, padding, n, paddings)
-        self.dilation = _per_axis(where, "dilation", dilation, n)
+        self.strides = _checks.per_axis(where, "strides", strides, n)
+        self.padding = _checks.padding(where, padding, n, paddings)
+        self.dilation = _checks.per_axis(where, "dilation", dilation, n)
 
     def _declare_weights(
         self,
         channels: tuple[int, int],
-        use_bias: bool,
-        kernel_init: Initializer,
-        bias_init: Initializer,
+        use_bias: Any,
+        kernel_init: Any,
+        bias_init: Any,
         dtype: Any,
         param_dtype: Any,
         precision: Any,
@@ -259,26 +187,33 @@ class _Convolution(Module):
         bias_sharding: Any,
     ) -> None:
         """Declares ``kernel`` (``kernel_size + channels``) and, with `use_bias`, ``bias``."""
-        self.use_bias = use_bias
-        self.dtype = dtype
-        self.precision = precision
+        where = self._describe()
+        self.use_bias = _checks.flag(where, "use_bias", use_bias)
+        self.dtype = _checks.inexact_dtype(where, "dtype", dtype)
+        self.param_dtype = _checks.storage_dtype(where, param_dtype, self.dtype)
+        self.precision = _checks.precision(where, precision)
+        shape = (*self.kernel_size, *channels)
         self.kernel = Parameter(
-            (*self.kernel_size, *channels),
-            kernel_init,
-            dtype,
-            param_dtype,
-            sharding=kernel_sharding,
+            shape,
+            _checks.initializer(where, "kernel_init", kernel_init),
+            self.dtype,
+            self.param_dtype,
+            sharding=_checks.sharding(where, "kernel_sharding", kernel_sharding, len(shape)),
         )
+        bias_init = _checks.initializer(where, "bias_init", bias_init)
+        bias_sharding = _checks.sharding(where, "bias_sharding", bias_sharding, 1)
         self.bias = (
-            Parameter((self.out_size,), bias_init, dtype, param_dtype, sharding=bias_sharding)
-            if use_bias
+            Parameter(
+                (self.out_size,), bias_init, self.dtype, self.param_dtype, sharding=bias_sharding
+            )
+            if self.use_bias
             else None
         )
 
     def _describe(self) -> str:
         return _layer_name(type(self).__name__, self.in_size, self.out_size, self.kernel_size)
 
-    def _check_input(self, x: Any) -> None:
+    def _check_input(self, x: Any, *, transposed: bool = False) -> None:
         shape, n = tuple(jnp.shape(x)), len(self.kernel_size)
         if len(shape) < n + 1:
             axes = ", ".join(["spatial"] * n)
@@ -289,6 +224,26 @@ class _Convolution(Module):
             )
         hint = "Inputs are channels last."
         _checks.check_last_axis(self._describe, x, self.in_size, "in_size", hint=hint)
+        if not transposed:
+            where = self._describe()
+            _checks.check_window_fits(where, shape, self.kernel_size, self.dilation, self.padding)
+            return
+        # A transposed convolution of a non-empty input is non-empty, except with explicit
+        # negative padding (lax.conv_transpose pads the stride-dilated input).
+        _checks.check_window_fits(self._describe(), shape, self.kernel_size, self.dilation, "SAME")
+        if isinstance(self.padding, str):
+            return
+        spatial = shape[-n - 1 : -1]
+        for axis, (size, k, s, d, (lo, hi)) in enumerate(
+            zip(spatial, self.kernel_size, self.strides, self.dilation, self.padding, strict=True)
+        ):
+            out = (size - 1) * s + 1 + lo + hi - ((k - 1) * d + 1) + 1
+            if out < 1:
+                raise ValueError(
+                    f"{self._describe()} got an input of shape {shape}: with padding "
+                    f"{(lo, hi)} on spatial axis {axis}, the output would have {out} positions "
+                    f"there. Use padding='SAME' or 'VALID', or less negative padding."
+                )
 
 
 class Conv(_Convolution):
@@ -320,6 +275,10 @@ class Conv(_Convolution):
         kernel_sharding: Logical axis names of the kernel, one per dimension.
         bias_sharding: Logical axis name of the bias, e.g. ``("mlp",)``.
 
+    Everything after `kernel_size` is keyword-only, and the settings are read-only once the
+    layer is built. A ``"VALID"`` (or explicitly padded) window larger than the input is an
+    error, not an empty output.
+
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
         >>> init, apply = lm.transform(lm.Conv(1, 32, kernel_size=(3, 3), strides=(1, 1)))
@@ -330,11 +289,14 @@ class Conv(_Convolution):
         (8, 28, 28, 32)
     """
 
+    groups = _checks.Setting()
+
     def __init__(
         self,
         in_size: int,
         out_size: int,
         kernel_size: int | Sequence[int],
+        *,
         strides: int | Sequence[int] = 1,
         padding: PaddingLike = "SAME",
         dilation: int | Sequence[int] = 1,
@@ -349,7 +311,7 @@ class Conv(_Convolution):
         bias_sharding: Sequence[str | None] | None = None,
     ):
         super().__init__(in_size, out_size, kernel_size, strides, padding, dilation, _CONV_PADDINGS)
-        where = _layer_name("Conv", in_size, out_size, kernel_size)
+        where = self._describe()
         self.groups = _checks.positive_int(where, "groups", groups)
         in_size, out_size = self.in_size, self.out_size
         if in_size % self.groups or out_size % self.groups:
@@ -416,6 +378,9 @@ class ConvTranspose(_Convolution):
         kernel_sharding: Logical axis names of the kernel, one per dimension.
         bias_sharding: Logical axis name of the bias.
 
+    Everything after `kernel_size` is keyword-only, and the settings are read-only once the
+    layer is built.
+
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
         >>> layer = lm.ConvTranspose(16, 8, kernel_size=(3, 3), strides=2)
@@ -427,11 +392,14 @@ class ConvTranspose(_Convolution):
         (2, 14, 14, 8)
     """
 
+    transpose_kernel = _checks.Setting()
+
     def __init__(
         self,
         in_size: int,
         out_size: int,
         kernel_size: int | Sequence[int],
+        *,
         strides: int | Sequence[int] = 1,
         padding: PaddingLike = "SAME",
         dilation: int | Sequence[int] = 1,
@@ -447,7 +415,7 @@ class ConvTranspose(_Convolution):
     ):
         paddings = _CONV_TRANSPOSE_PADDINGS
         super().__init__(in_size, out_size, kernel_size, strides, padding, dilation, paddings)
-        self.transpose_kernel = bool(transpose_kernel)
+        self.transpose_kernel = _checks.flag(self._describe(), "transpose_kernel", transpose_kernel)
         in_size, out_size = self.in_size, self.out_size
         self._declare_weights(
             (out_size, in_size) if self.transpose_kernel else (in_size, out_size),
@@ -463,7 +431,7 @@ class ConvTranspose(_Convolution):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the transposed convolution to `x` of shape ``(*batch, *spatial, in_size)``."""
-        self._check_input(x)
+        self._check_input(x, transposed=True)
         bias = self.bias.value if self.bias is not None else None
         return conv_transpose(
             x,

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .. import initializers
@@ -36,7 +37,8 @@ class Dense(Module):
     """A fully connected layer, ``y = x @ kernel + bias``, over the last axis.
 
     Variables are Flax Linen's: ``kernel`` of shape ``(in_size, out_size)``, ``bias`` of
-    shape ``(out_size,)``.
+    shape ``(out_size,)``. Linen's ``Dense(features)`` is ``Dense(in_size, out_size)`` here:
+    lamina declares every shape when the layer is built.
 
     Args:
         in_size: Size of the input's last axis.
@@ -50,6 +52,14 @@ class Dense(Module):
         kernel_sharding: Logical axis names of the kernel, e.g. ``("embed", "mlp")``.
         bias_sharding: Logical axis name of the bias, e.g. ``("mlp",)``.
 
+    Everything after the sizes is keyword-only; the settings are read-only once the layer is
+    built (build a new layer to change one).
+
+    Raises:
+        ValueError: A size that is not positive; a sharding with the wrong number of names.
+        TypeError: A setting of the wrong type (a float or bool size, a string dtype that
+            names none, an initializer that is not a function...).
+
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
         >>> init, apply = lm.transform(lm.Dense(4, 2))
@@ -58,10 +68,18 @@ class Dense(Module):
         (3, 2)
     """
 
+    in_size = _checks.Setting()
+    out_size = _checks.Setting()
+    use_bias = _checks.Setting()
+    dtype = _checks.Setting()
+    param_dtype = _checks.Setting()
+    precision = _checks.Setting()
+
     def __init__(
         self,
         in_size: int,
         out_size: int,
+        *,
         use_bias: bool = True,
         kernel_init: Initializer = initializers.lecun_normal(),
         bias_init: Initializer = initializers.zeros(),
@@ -72,17 +90,27 @@ class Dense(Module):
         bias_sharding: Sequence[str | None] | None = None,
     ):
         super().__init__()
-        self.in_size = in_size
-        self.out_size = out_size
-        self.use_bias = use_bias
-        self.dtype = dtype
-        self.precision = precision
+        where = type(self).__name__
+        self.in_size = _checks.positive_int(where, "in_size", in_size)
+        self.out_size = _checks.positive_int(where, "out_size", out_size)
+        self.use_bias = _checks.flag(where, "use_bias", use_bias)
+        self.dtype = _checks.inexact_dtype(where, "dtype", dtype)
+        self.param_dtype = _checks.storage_dtype(where, param_dtype, self.dtype)
+        self.precision = _checks.precision(where, precision)
         self.kernel = Parameter(
-            (in_size, out_size), kernel_init, dtype, param_dtype, sharding=kernel_sharding
+            (self.in_size, self.out_size),
+            _checks.initializer(where, "kernel_init", kernel_init),
+            self.dtype,
+            self.param_dtype,
+            sharding=_checks.sharding(where, "kernel_sharding", kernel_sharding, 2),
         )
+        bias_init = _checks.initializer(where, "bias_init", bias_init)
+        bias_sharding = _checks.sharding(where, "bias_sharding", bias_sharding, 1)
         self.bias = (
-            Parameter((out_size,), bias_init, dtype, param_dtype, sharding=bias_sharding)
-            if use_bias
+            Parameter(
+                (self.out_size,), bias_init, self.dtype, self.param_dtype, sharding=bias_sharding
+            )
+            if self.use_bias
             else None
         )
 
@@ -93,7 +121,7 @@ class Dense(Module):
         return dense(x, self.kernel.value, bias, self.kernel.dtype, self.precision)
 
     def _describe(self) -> str:
-        return f"Dense(in_size={self.in_size}, out_size={self.out_size})"
+        return f"{type(self).__name__}(in_size={self.in_size}, out_size={self.out_size})"
 
 
 @jax.jit
@@ -114,20 +142,29 @@ def embed_attend(
 
 
 class Embed(Module):
-    """A lookup table of `num_embeddings` vectors of size `features`.
+    """A lookup table of `num_embeddings` vectors of size `size`.
 
     ``embed(ids)`` returns the rows for integer `ids`; ``embed.attend(x)`` multiplies by the
     transposed table, the output layer of a model whose input and output embeddings are tied.
-    The variable is Flax Linen's: ``embedding`` of shape ``(num_embeddings, features)``.
+    The variable is Flax Linen's: ``embedding`` of shape ``(num_embeddings, size)``.
+
+    The order of the sizes is Linen's and PyTorch's, ``Embed(num_embeddings, size)``;
+    Metoryx's own ``Embed`` takes ``(size, num_embeddings)``.
+
+    Ids must lie in ``[0, num_embeddings)``. They are checked when their values are known
+    (eager calls); under `jax.jit` they are traced and cannot be checked, and, as in Linen, an
+    id past the end gives a row of NaN and a negative one counts from the end.
 
     Args:
         num_embeddings: Number of rows (the vocabulary size).
-        features: Size of each vector.
-        embedding_init: Initializer of the table (Linen's default: normal, variance 1/features).
+        size: Size of each vector (Linen's `features`).
+        embedding_init: Initializer of the table (Linen's default: normal, variance 1/size).
         dtype: Compute dtype of the returned vectors.
         param_dtype: Storage dtype of the table (default: `dtype`).
         precision: `jax.lax.Precision` of `attend`'s matrix product.
         embedding_sharding: Logical axis names of the table, e.g. ``("vocab", "embed")``.
+
+    Everything after `size` is keyword-only.
 
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
@@ -140,10 +177,17 @@ class Embed(Module):
         (2, 100)
     """
 
+    num_embeddings = _checks.Setting()
+    size = _checks.Setting()
+    dtype = _checks.Setting()
+    param_dtype = _checks.Setting()
+    precision = _checks.Setting()
+
     def __init__(
         self,
         num_embeddings: int,
-        features: int,
+        size: int,
+        *,
         embedding_init: Initializer = initializers.variance_scaling(
             1.0, "fan_in", "normal", out_axis=0
         ),
@@ -153,27 +197,52 @@ class Embed(Module):
         embedding_sharding: Sequence[str | None] | None = None,
     ):
         super().__init__()
-        self.num_embeddings = num_embeddings
-        self.features = features
-        self.precision = precision
+        where = type(self).__name__
+        self.num_embeddings = _checks.positive_int(where, "num_embeddings", num_embeddings)
+        self.size = _checks.positive_int(where, "size", size)
+        self.dtype = _checks.inexact_dtype(where, "dtype", dtype)
+        self.param_dtype = _checks.storage_dtype(where, param_dtype, self.dtype)
+        self.precision = _checks.precision(where, precision)
         self.embedding = Parameter(
-            (num_embeddings, features),
-            embedding_init,
-            dtype,
-            param_dtype,
-            sharding=embedding_sharding,
+            (self.num_embeddings, self.size),
+            _checks.initializer(where, "embedding_init", embedding_init),
+            self.dtype,
+            self.param_dtype,
+            sharding=_checks.sharding(where, "embedding_sharding", embedding_sharding, 2),
         )
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        """Looks up integer `ids` of any shape; returns ``ids.shape + (features,)``."""
+        """Looks up integer `ids` of any shape; returns ``ids.shape + (size,)``."""
+        if not hasattr(ids, "dtype"):
+            try:
+                ids = jnp.asarray(ids)
+            except TypeError:
+                raise TypeError(
+                    f"{self._describe()} takes integer ids (an array or nested lists of ints), "
+                    f"got {type(ids).__name__} {ids!r}."
+                ) from None
         if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
             raise TypeError(
-                f"Embed takes integer ids, got dtype {jnp.result_type(ids)}; convert with "
-                f"ids.astype(jnp.int32) (for vectors, use embed.attend(x))."
+                f"{self._describe()} takes integer ids, got dtype {jnp.result_type(ids)}; "
+                f"convert with ids.astype(jnp.int32) (for vectors, use embed.attend(x))."
             )
+        if _checks.is_concrete(ids) and jnp.size(ids):
+            values = np.asarray(ids)  # not a jax op: no tracer under an outer jit
+            low, high = int(values.min()), int(values.max())
+            if low < 0 or high >= self.num_embeddings:
+                bad = low if low < 0 else high
+                raise ValueError(
+                    f"{self._describe()} got id {bad}: ids must be in [0, "
+                    f"{self.num_embeddings}), one row of the table each. Map unknown tokens "
+                    f"to a reserved id, or build the layer with a larger num_embeddings."
+                )
         return embed_lookup(self.embedding.value, ids)
 
     def attend(self, query: jax.Array) -> jax.Array:
-        """Returns ``query @ embedding.T`` for `query` of shape ``(..., features)``."""
-        _checks.check_last_axis("Embed.attend", query, self.features, "features", what="a query")
+        """Returns ``query @ embedding.T`` for `query` of shape ``(..., size)``."""
+        where = f"{self._describe()}.attend"
+        _checks.check_last_axis(where, query, self.size, "size", what="a query")
         return embed_attend(query, self.embedding.value, self.embedding.dtype, self.precision)
+
+    def _describe(self) -> str:
+        return f"{type(self).__name__}(num_embeddings={self.num_embeddings}, size={self.size})"

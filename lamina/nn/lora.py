@@ -23,12 +23,11 @@ from .._core.errors import Path, VariablesError, format_list, format_path
 from .._core.graph import Plan, substitute, walk
 from .._core.layout import nest, present_variables
 from .._core.module import Module
+from .._core.types import Variables
 from .._core.variables import Initializer, Parameter
 from . import _checks
 from .conv import Conv, conv
 from .linear import Dense, dense
-
-Variables = dict[str, Any]
 
 
 class LoRAParam(Parameter):
@@ -148,6 +147,9 @@ class LoRA(Module):
             dtype.
         param_dtype: Storage dtype of the adapters (default: the base's storage dtype).
 
+    Everything after `rank` is keyword-only; `base`, `rank` and the other settings are
+    read-only once the LoRA is built.
+
     Raises:
         TypeError: `base` is not a `Dense` or `Conv`.
         ValueError: `rank` out of range, a non-positive `alpha`, or a `Conv` with groups != 1
@@ -169,10 +171,18 @@ class LoRA(Module):
         True
     """
 
+    base = _checks.Setting()
+    rank = _checks.Setting()
+    alpha = _checks.Setting()
+    scale = _checks.Setting()
+    dtype = _checks.Setting()
+    param_dtype = _checks.Setting()
+
     def __init__(
         self,
         base: Dense | Conv,
         rank: int,
+        *,
         alpha: float | None = None,
         a_init: Initializer = initializers.he_uniform(),
         b_init: Initializer = initializers.zeros(),
@@ -187,7 +197,7 @@ class LoRA(Module):
             raise TypeError(
                 f"LoRA adapts a Dense or a Conv (groups=1) layer, got {type(base).__name__}.{hint}"
             )
-        where = f"LoRA({base._describe()}, rank={rank!r})"
+        where = f"{type(self).__name__}({base._describe()}, rank={rank!r})"
         if isinstance(base, Conv) and base.groups != 1:
             raise ValueError(
                 f"{where}: the base Conv has groups={base.groups}; LoRA supports groups=1 only "
@@ -220,12 +230,17 @@ class LoRA(Module):
         self.alpha = float(alpha)
         self.scale = self.alpha / rank
         kernel = base.kernel
-        self.dtype = kernel.dtype if dtype is None else _checks.as_dtype(where, "dtype", dtype)
-        if param_dtype is None:
-            param_dtype = kernel.param_dtype
+        self.dtype = kernel.dtype if dtype is None else _checks.inexact_dtype(where, "dtype", dtype)
+        self.param_dtype = (
+            kernel.param_dtype
+            if param_dtype is None
+            else _checks.inexact_dtype(where, "param_dtype", param_dtype)
+        )
         window = base.kernel_size if isinstance(base, Conv) else ()
-        self.lora_a = LoRAParam((*window, base.in_size, rank), a_init, self.dtype, param_dtype)
-        self.lora_b = LoRAParam((rank, base.out_size), b_init, self.dtype, param_dtype)
+        a_init = _checks.initializer(where, "a_init", a_init)
+        b_init = _checks.initializer(where, "b_init", b_init)
+        self.lora_a = LoRAParam((*window, base.in_size, rank), a_init, self.dtype, self.param_dtype)
+        self.lora_b = LoRAParam((rank, base.out_size), b_init, self.dtype, self.param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the base layer to `x` and adds the low-rank update."""

@@ -39,7 +39,7 @@ from .._core.rng import next_rng_key
 from .._core.variables import Cache, Initializer
 from . import _checks
 from ._projections import Projection, dense_general
-from .attention import attention_kernel, check_broadcast
+from .attention import attention_kernel, check_broadcast, check_mask
 
 
 @functools.partial(
@@ -125,44 +125,48 @@ class MultiHeadAttention(Module):
     """Multi-head dot-product attention, Flax Linen's ``MultiHeadDotProductAttention``.
 
     Projects the queries, keys and values to ``num_heads`` heads of ``head_dim =
-    qkv_features // num_heads`` features, attends (`dot_product_attention`) and projects the
-    heads back to ``out_features``. Variables are Linen's: submodules ``query``, ``key`` and
-    ``value`` (``kernel`` ``(features, num_heads, head_dim)``, ``bias`` ``(num_heads,
-    head_dim)``) and ``out`` (``kernel`` ``(num_heads, head_dim, out_features)``, ``bias``
-    ``(out_features,)``); with `decode_shape`, the cache ``cached_key``, ``cached_value`` and
+    qkv_size // num_heads`` features, attends (`dot_product_attention`) and projects the
+    heads back to ``out_size``. Variables are Linen's: submodules ``query``, ``key`` and
+    ``value`` (``kernel`` ``(in_size, num_heads, head_dim)``, ``bias`` ``(num_heads,
+    head_dim)``) and ``out`` (``kernel`` ``(num_heads, head_dim, out_size)``, ``bias``
+    ``(out_size,)``); with `decode_shape`, the cache ``cached_key``, ``cached_value`` and
     ``cache_index`` (see the module's documentation for incremental decoding).
 
     Cross-attention: the keys and values may come from other inputs, whose feature sizes
-    (`key_features`, `value_features`) are declared here because the key and value kernels
+    (`key_size`, `value_size`) are declared here because the key and value kernels
     are sized by them.
 
     Args:
-        num_heads: Number of heads; must divide `qkv_features`.
-        in_features: Feature size of the queries' input (``inputs_q.shape[-1]``).
-        qkv_features: Total size of the projected queries, keys and values (default
-            `in_features`).
-        out_features: Size of the output's last axis (default `in_features`).
+        num_heads: Number of heads; must divide `qkv_size`.
+        in_size: Feature size of the queries' input (``inputs_q.shape[-1]``).
+        qkv_size: Total size of the projected queries, keys and values (default
+            `in_size`).
+        out_size: Size of the output's last axis (default `in_size`).
+        key_size: Feature size of ``inputs_k`` (default `in_size`).
+        value_size: Feature size of ``inputs_v`` (default `key_size`).
         dropout_rate: Dropout on the attention weights while training, in ``[0, 1)``.
         use_bias: Whether the four projections add a bias.
         kernel_init: Initializer of the projection kernels, called (as Linen's) with the
             kernel seen as a ``(fan_in, fan_out)`` matrix.
         bias_init: Initializer of the biases.
+        out_kernel_init: Initializer of the output kernel (default `kernel_init`).
+        out_bias_init: Initializer of the output bias (default `bias_init`).
         dtype: Compute dtype (inputs, variables and cache are used in it).
         param_dtype: Storage dtype of the parameters (default: `dtype`).
         precision: `jax.lax.Precision` of the products.
-        key_features: Feature size of ``inputs_k`` (default `in_features`).
-        value_features: Feature size of ``inputs_v`` (default `key_features`).
-        out_kernel_init: Initializer of the output kernel (default `kernel_init`).
-        out_bias_init: Initializer of the output bias (default `bias_init`).
         broadcast_dropout: One dropout mask shared by the batch and the heads (Linen's).
         force_fp32_for_softmax: Compute the softmax in float32 when `dtype` is lower.
         decode_shape: ``(*batch, max_length)``: declares the decoding cache for inputs with
             that batch shape and up to `max_length` positions. None: no cache, and calls
             with ``decode=True`` are an error.
 
+    Everything after `in_size` is keyword-only. Linen's names differ: ``qkv_features``,
+    ``out_features`` are `qkv_size`, `out_size` here, and Linen infers the input sizes
+    (`in_size`, `key_size`, `value_size`) that lamina declares.
+
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
-        >>> mha = lm.MultiHeadAttention(num_heads=2, in_features=8)
+        >>> mha = lm.MultiHeadAttention(num_heads=2, in_size=8)
         >>> init, apply = lm.transform(mha)
         >>> variables = init(jax.random.key(0))
         >>> variables["params"]["query"]["kernel"].shape
@@ -174,7 +178,7 @@ class MultiHeadAttention(Module):
 
         Decoding one position at a time, with a cache for batch 3 and 5 positions:
 
-        >>> mha = lm.MultiHeadAttention(num_heads=2, in_features=8, decode_shape=(3, 5))
+        >>> mha = lm.MultiHeadAttention(num_heads=2, in_size=8, decode_shape=(3, 5))
         >>> init, apply = lm.transform(mha)
         >>> variables = init(jax.random.key(0))
         >>> y0, variables = apply(variables, None, x[:, :1], decode=True)
@@ -182,59 +186,79 @@ class MultiHeadAttention(Module):
         (1, (3, 1, 8))
     """
 
+    num_heads = _checks.Setting()
+    in_size = _checks.Setting()
+    qkv_size = _checks.Setting()
+    out_size = _checks.Setting()
+    key_size = _checks.Setting()
+    value_size = _checks.Setting()
+    head_dim = _checks.Setting()
+    dropout_rate = _checks.Setting()
+    use_bias = _checks.Setting()
+    dtype = _checks.Setting()
+    param_dtype = _checks.Setting()
+    precision = _checks.Setting()
+    broadcast_dropout = _checks.Setting()
+    force_fp32_for_softmax = _checks.Setting()
+    decode_shape = _checks.Setting()
+
     def __init__(
         self,
         num_heads: int,
-        in_features: int,
-        qkv_features: int | None = None,
-        out_features: int | None = None,
+        in_size: int,
+        *,
+        qkv_size: int | None = None,
+        out_size: int | None = None,
+        key_size: int | None = None,
+        value_size: int | None = None,
         dropout_rate: float = 0.0,
         use_bias: bool = True,
         kernel_init: Initializer = initializers.lecun_normal(),
         bias_init: Initializer = initializers.zeros(),
+        out_kernel_init: Initializer | None = None,
+        out_bias_init: Initializer | None = None,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
         precision: Any = None,
-        *,
-        key_features: int | None = None,
-        value_features: int | None = None,
-        out_kernel_init: Initializer | None = None,
-        out_bias_init: Initializer | None = None,
         broadcast_dropout: bool = True,
         force_fp32_for_softmax: bool = False,
         decode_shape: Sequence[int] | None = None,
     ):
         super().__init__()
-        name = "MultiHeadAttention"
+        name = type(self).__name__
         self.num_heads = _checks.positive_int(name, "num_heads", num_heads)
-        self.in_features = _checks.positive_int(name, "in_features", in_features)
-        self.qkv_features = _checks.positive_int(
-            name, "qkv_features", in_features if qkv_features is None else qkv_features
-        )
-        self.out_features = _checks.positive_int(
-            name, "out_features", in_features if out_features is None else out_features
-        )
-        self.key_features = _checks.positive_int(
-            name, "key_features", in_features if key_features is None else key_features
-        )
-        self.value_features = _checks.positive_int(
-            name,
-            "value_features",
-            self.key_features if value_features is None else value_features,
-        )
-        if self.qkv_features % self.num_heads:
+        self.in_size = _checks.positive_int(name, "in_size", in_size)
+
+        def size(setting: str, value: Any, default: int) -> int:
+            return _checks.positive_int(name, setting, default if value is None else value)
+
+        self.qkv_size = size("qkv_size", qkv_size, self.in_size)
+        self.out_size = size("out_size", out_size, self.in_size)
+        self.key_size = size("key_size", key_size, self.in_size)
+        self.value_size = size("value_size", value_size, self.key_size)
+        if self.qkv_size % self.num_heads:
             raise ValueError(
-                f"{name}: qkv_features={self.qkv_features} is not divisible by "
-                f"num_heads={self.num_heads}; each head gets qkv_features // num_heads "
-                f"features, so choose qkv_features as a multiple of num_heads."
+                f"{name}: qkv_size={self.qkv_size} is not divisible by "
+                f"num_heads={self.num_heads}; each head gets qkv_size // num_heads "
+                f"features, so choose qkv_size as a multiple of num_heads."
             )
-        self.head_dim = self.qkv_features // self.num_heads
+        self.head_dim = self.qkv_size // self.num_heads
         self.dropout_rate = _checks.non_negative(name, "dropout_rate", dropout_rate, below=1.0)
-        self.use_bias = bool(use_bias)
-        self.dtype = _checks.as_dtype(name, "dtype", dtype)
-        self.precision = precision
-        self.broadcast_dropout = bool(broadcast_dropout)
-        self.force_fp32_for_softmax = bool(force_fp32_for_softmax)
+        self.use_bias = _checks.flag(name, "use_bias", use_bias)
+        self.dtype = _checks.inexact_dtype(name, "dtype", dtype)
+        self.param_dtype = _checks.storage_dtype(name, param_dtype, self.dtype)
+        self.precision = _checks.precision(name, precision)
+        self.broadcast_dropout = _checks.flag(name, "broadcast_dropout", broadcast_dropout)
+        self.force_fp32_for_softmax = _checks.flag(
+            name, "force_fp32_for_softmax", force_fp32_for_softmax
+        )
+        kernel_init = _checks.initializer(name, "kernel_init", kernel_init)
+        bias_init = _checks.initializer(name, "bias_init", bias_init)
+        out_kernel_init = kernel_init if out_kernel_init is None else out_kernel_init
+        out_kernel_init = _checks.initializer(name, "out_kernel_init", out_kernel_init)
+        out_bias_init = bias_init if out_bias_init is None else out_bias_init
+        out_bias_init = _checks.initializer(name, "out_bias_init", out_bias_init)
+        use_bias, dtype, param_dtype = self.use_bias, self.dtype, self.param_dtype
 
         heads = (self.num_heads, self.head_dim)
 
@@ -243,18 +267,22 @@ class MultiHeadAttention(Module):
                 kernel_shape, bias_shape, n_in, use_bias, k_init, b_init, dtype, param_dtype
             )
 
-        self.query = projection((self.in_features, *heads), heads, 1, kernel_init, bias_init)
-        self.key = projection((self.key_features, *heads), heads, 1, kernel_init, bias_init)
-        self.value = projection((self.value_features, *heads), heads, 1, kernel_init, bias_init)
+        self.query = projection((self.in_size, *heads), heads, 1, kernel_init, bias_init)
+        self.key = projection((self.key_size, *heads), heads, 1, kernel_init, bias_init)
+        self.value = projection((self.value_size, *heads), heads, 1, kernel_init, bias_init)
         self.out = projection(
-            (*heads, self.out_features),
-            (self.out_features,),
+            (*heads, self.out_size),
+            (self.out_size,),
             2,
-            kernel_init if out_kernel_init is None else out_kernel_init,
-            bias_init if out_bias_init is None else out_bias_init,
+            out_kernel_init,
+            out_bias_init,
         )
 
         self.decode_shape = None if decode_shape is None else _decode_shape(name, decode_shape)
+        # The cache: three Cache declarations when decoding, else None (Any: read only then).
+        self.cached_key: Any
+        self.cached_value: Any
+        self.cache_index: Any
         if self.decode_shape is None:
             self.cached_key = self.cached_value = self.cache_index = None
         else:
@@ -283,11 +311,13 @@ class MultiHeadAttention(Module):
         """Attends from `inputs_q` to `inputs_k`/`inputs_v` (self-attention when omitted).
 
         Args:
-            inputs_q: ``(batch..., q_length, in_features)``.
-            inputs_k: ``(batch..., kv_length, key_features)``; default `inputs_q`.
-            inputs_v: ``(batch..., kv_length, value_features)``; default `inputs_k`.
-            mask: Broadcastable to ``(batch..., num_heads, q_length, kv_length)`` (with
-                ``decode=True``, kv_length is ``max_length``); True (nonzero) keeps a pair.
+            inputs_q: ``(batch..., q_length, in_size)``.
+            inputs_k: ``(batch..., kv_length, key_size)``; default `inputs_q`.
+            inputs_v: ``(batch..., kv_length, value_size)``; default `inputs_k`.
+            mask: A bool array broadcastable to ``(batch..., num_heads, q_length,
+                kv_length)`` (with ``decode=True``, kv_length is ``max_length``); True keeps a
+                pair. Masks of other dtypes are an error: a 0/1 mask is ``mask.astype(bool)``,
+                an additive one (0 keeps, -inf drops) is ``mask == 0``.
             causal: Also keep only the pairs with key position <= query position (positions
                 count from the start of both sequences). Implied by `decode`.
             is_training: Apply dropout to the attention weights, with keys from
@@ -296,9 +326,9 @@ class MultiHeadAttention(Module):
                 attend to the cache (needs `decode_shape`). A Python bool.
 
         Returns:
-            ``(batch..., q_length, out_features)``.
+            ``(batch..., q_length, out_size)``.
         """
-        name = "MultiHeadAttention"
+        name = type(self).__name__
         _checks.python_bool(name, causal=causal, is_training=is_training, decode=decode)
         if inputs_k is None:
             if inputs_v is not None:
@@ -309,9 +339,9 @@ class MultiHeadAttention(Module):
             inputs_k = inputs_q
         if inputs_v is None:
             inputs_v = inputs_k
-        q_shape = _check_input("inputs_q", inputs_q, "in_features", self.in_features)
-        k_shape = _check_input("inputs_k", inputs_k, "key_features", self.key_features)
-        v_shape = _check_input("inputs_v", inputs_v, "value_features", self.value_features)
+        q_shape = _check_input("inputs_q", inputs_q, "in_size", self.in_size)
+        k_shape = _check_input("inputs_k", inputs_k, "key_size", self.key_size)
+        v_shape = _check_input("inputs_v", inputs_v, "value_size", self.value_size)
         batch, q_len = q_shape[:-2], q_shape[-2]
         if not k_shape[:-2] == v_shape[:-2] == batch:
             raise ValueError(
@@ -329,6 +359,7 @@ class MultiHeadAttention(Module):
             cache = self._cache_for_step(batch, q_len, k_shape)
             kv_len = self.decode_shape[-1]
         if mask is not None:
+            check_mask(name, mask)
             weights_shape = (*batch, self.num_heads, q_len, kv_len)
             check_broadcast(name, "mask", jnp.shape(mask), weights_shape)
         rng = None

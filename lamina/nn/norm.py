@@ -152,15 +152,72 @@ def group_norm(
     return normalize(x, per_channel(mean), per_channel(var), scale, bias, epsilon, dtype)
 
 
-class LayerNorm(Module):
+class Normalization(Module):
+    """What the normalisation layers share: their size, epsilon, dtypes, scale and bias.
+
+    `BatchNorm`, `LayerNorm`, `RMSNorm` and `GroupNorm` declare ``scale`` and ``bias`` of
+    shape ``(size,)`` here, as Linen does: stored in `param_dtype` and applied in it (never
+    cast to the compute dtype), so `.value` returns them in `param_dtype`.
+    """
+
+    size = _checks.Setting()
+    epsilon = _checks.Setting()
+    use_scale = _checks.Setting()
+    use_bias = _checks.Setting()
+    dtype = _checks.Setting()
+    param_dtype = _checks.Setting()
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        epsilon: float,
+        use_scale: bool,
+        use_bias: bool,
+        scale_init: Initializer,
+        bias_init: Initializer,
+        dtype: Any,
+        param_dtype: Any,
+    ):
+        super().__init__()
+        where = type(self).__name__
+        meaning = ", the size of the input's last axis (its features or channels)"
+        self.size = _checks.positive_int(where, "size", size, meaning)
+        meaning = " (it is added to the variance before the square root)"
+        self.epsilon = _checks.non_negative(where, "epsilon", epsilon, meaning=meaning)
+        self.use_scale = _checks.flag(where, "use_scale", use_scale)
+        self.use_bias = _checks.flag(where, "use_bias", use_bias)
+        self.dtype = _checks.inexact_dtype(where, "dtype", dtype)
+        self.param_dtype = _checks.storage_dtype(where, param_dtype, self.dtype)
+        scale_init = _checks.initializer(where, "scale_init", scale_init)
+        bias_init = _checks.initializer(where, "bias_init", bias_init)
+        stored, shape = self.param_dtype, (self.size,)
+        self.scale = Parameter(shape, scale_init, stored, stored) if self.use_scale else None
+        self.bias = Parameter(shape, bias_init, stored, stored) if self.use_bias else None
+
+    def _describe(self) -> str:
+        return f"{type(self).__name__}(size={self.size})"
+
+    def _check_input(self, x: Any) -> None:
+        """Raises unless the last axis of `x` holds `size` features."""
+        hint = "The features must be on the last axis."
+        _checks.check_last_axis(self._describe, x, self.size, "size", hint=hint)
+
+    def _scale_and_bias(self) -> tuple[jax.Array | None, jax.Array | None]:
+        scale = self.scale.value if self.scale is not None else None
+        bias = self.bias.value if self.bias is not None else None
+        return scale, bias
+
+
+class LayerNorm(Normalization):
     """Layer normalisation over the last axis, as Flax Linen's ``LayerNorm``.
 
     Each vector along the last axis is normalised to zero mean and unit variance, then scaled
     and shifted per feature. Variables are Linen's: params ``scale`` and ``bias`` of shape
-    ``(num_features,)``.
+    ``(size,)``.
 
     Args:
-        num_features: Size of the input's last axis.
+        size: Size of the input's last axis.
         epsilon: Added to the variance before the square root.
         use_scale: Whether to multiply by a learned ``scale``.
         use_bias: Whether to add a learned ``bias``.
@@ -169,6 +226,8 @@ class LayerNorm(Module):
         dtype: Output dtype; statistics are computed in at least float32.
         param_dtype: Storage dtype of ``scale`` and ``bias`` (default: `dtype`), which are
             also applied in it, as Linen does.
+
+    Everything after `size` is keyword-only.
 
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
@@ -180,7 +239,8 @@ class LayerNorm(Module):
 
     def __init__(
         self,
-        num_features: int,
+        size: int,
+        *,
         epsilon: float = 1e-6,
         use_scale: bool = True,
         use_bias: bool = True,
@@ -189,45 +249,40 @@ class LayerNorm(Module):
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
-        super().__init__()
-        self.num_features = check_num_features("LayerNorm", num_features)
-        self.epsilon = check_epsilon("LayerNorm", epsilon)
-        self.use_scale = bool(use_scale)
-        self.use_bias = bool(use_bias)
-        self.dtype = _checks.as_dtype("LayerNorm", "dtype", dtype)
-        self.scale, self.bias = scale_and_bias(
-            "LayerNorm",
-            num_features,
-            use_scale,
-            use_bias,
-            scale_init,
-            bias_init,
-            dtype,
-            param_dtype,
+        super().__init__(
+            size,
+            epsilon=epsilon,
+            use_scale=use_scale,
+            use_bias=use_bias,
+            scale_init=scale_init,
+            bias_init=bias_init,
+            dtype=dtype,
+            param_dtype=param_dtype,
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """Normalises `x` of shape ``(..., num_features)`` over its last axis."""
-        check_features_axis("LayerNorm", f"num_features={self.num_features}", self.num_features, x)
-        scale = self.scale.value if self.scale is not None else None
-        bias = self.bias.value if self.bias is not None else None
+        """Normalises `x` of shape ``(..., size)`` over its last axis."""
+        self._check_input(x)
+        scale, bias = self._scale_and_bias()
         return layer_norm(x, scale, bias, epsilon=self.epsilon, dtype=self.dtype)
 
 
-class RMSNorm(Module):
+class RMSNorm(Normalization):
     """Root-mean-square normalisation over the last axis, as Flax Linen's ``RMSNorm``.
 
     Each vector along the last axis is divided by its root mean square (no centring), then
-    scaled per feature. The variable is Linen's: param ``scale`` of shape ``(num_features,)``.
+    scaled per feature. The variable is Linen's: param ``scale`` of shape ``(size,)``.
 
     Args:
-        num_features: Size of the input's last axis.
+        size: Size of the input's last axis.
         epsilon: Added to the mean square before the square root.
         use_scale: Whether to multiply by a learned ``scale``.
         scale_init: Initializer of the scale.
         dtype: Output dtype; statistics are computed in at least float32.
         param_dtype: Storage dtype of ``scale`` (default: `dtype`), which is also applied
             in it, as Linen does.
+
+    Everything after `size` is keyword-only.
 
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
@@ -239,42 +294,45 @@ class RMSNorm(Module):
 
     def __init__(
         self,
-        num_features: int,
+        size: int,
+        *,
         epsilon: float = 1e-6,
         use_scale: bool = True,
         scale_init: Initializer = initializers.ones(),
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
-        super().__init__()
-        self.num_features = check_num_features("RMSNorm", num_features)
-        self.epsilon = check_epsilon("RMSNorm", epsilon)
-        self.use_scale = bool(use_scale)
-        self.dtype = _checks.as_dtype("RMSNorm", "dtype", dtype)
-        self.scale, _ = scale_and_bias(
-            "RMSNorm", num_features, use_scale, False, scale_init, None, dtype, param_dtype
+        super().__init__(
+            size,
+            epsilon=epsilon,
+            use_scale=use_scale,
+            use_bias=False,
+            scale_init=scale_init,
+            bias_init=initializers.zeros(),
+            dtype=dtype,
+            param_dtype=param_dtype,
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """Normalises `x` of shape ``(..., num_features)`` over its last axis."""
-        check_features_axis("RMSNorm", f"num_features={self.num_features}", self.num_features, x)
-        scale = self.scale.value if self.scale is not None else None
+        """Normalises `x` of shape ``(..., size)`` over its last axis."""
+        self._check_input(x)
+        scale, _ = self._scale_and_bias()
         return rms_norm(x, scale, epsilon=self.epsilon, dtype=self.dtype)
 
 
-class GroupNorm(Module):
+class GroupNorm(Normalization):
     """Group normalisation, as Flax Linen's ``GroupNorm``.
 
     The channels (the last axis) are split into `num_groups` groups of consecutive channels;
     each group is normalised with the mean and variance over its channels and every axis but
     the first (the batch axis): for images ``(batch, height, width, channels)``, over height,
     width and the group's channels. ``num_groups=1`` normalises over all non-batch axes,
-    ``num_groups=num_features`` is instance normalisation. Variables are Linen's: params
-    ``scale`` and ``bias`` of shape ``(num_features,)``.
+    ``num_groups=size`` is instance normalisation. Variables are Linen's: params ``scale`` and
+    ``bias`` of shape ``(size,)``.
 
     Args:
-        num_groups: Number of channel groups; must divide `num_features`.
-        num_features: Size of the input's last axis (the channels).
+        num_groups: Number of channel groups; must divide `size`.
+        size: Size of the input's last axis (the channels).
         epsilon: Added to the variance before the square root.
         use_scale: Whether to multiply by a learned ``scale``.
         use_bias: Whether to add a learned ``bias``.
@@ -284,6 +342,8 @@ class GroupNorm(Module):
         param_dtype: Storage dtype of ``scale`` and ``bias`` (default: `dtype`), which are
             also applied in it, as Linen does.
 
+    Everything after `size` is keyword-only.
+
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
         >>> init, apply = lm.transform(lm.GroupNorm(2, 4))
@@ -292,10 +352,13 @@ class GroupNorm(Module):
         Array([[-1.,  1.,  0.,  0.]], dtype=float32)
     """
 
+    num_groups = _checks.Setting()
+
     def __init__(
         self,
         num_groups: int,
-        num_features: int,
+        size: int,
+        *,
         epsilon: float = 1e-6,
         use_scale: bool = True,
         use_bias: bool = True,
@@ -304,86 +367,35 @@ class GroupNorm(Module):
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
-        super().__init__()
-        self.num_features = check_num_features("GroupNorm", num_features)
-        if not _checks.is_int(num_groups) or num_groups <= 0 or num_features % num_groups != 0:
-            divisors = [d for d in range(1, num_features + 1) if num_features % d == 0]
-            shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
-            problem = (
-                f"num_groups={num_groups} does not divide num_features={num_features}: every "
-                f"group must hold the same number of channels"
-                if _checks.is_int(num_groups) and num_groups > 0
-                else f"num_groups must be a positive int, got {num_groups!r}"
-            )
-            raise ValueError(
-                f"GroupNorm: {problem}. Choose num_groups among the divisors of "
-                f"{num_features}: {shown}."
-            )
-        self.num_groups = int(num_groups)
-        self.epsilon = check_epsilon("GroupNorm", epsilon)
-        self.use_scale = bool(use_scale)
-        self.use_bias = bool(use_bias)
-        self.dtype = _checks.as_dtype("GroupNorm", "dtype", dtype)
-        self.scale, self.bias = scale_and_bias(
-            "GroupNorm",
-            num_features,
-            use_scale,
-            use_bias,
-            scale_init,
-            bias_init,
-            dtype,
-            param_dtype,
+        super().__init__(
+            size,
+            epsilon=epsilon,
+            use_scale=use_scale,
+            use_bias=use_bias,
+            scale_init=scale_init,
+            bias_init=bias_init,
+            dtype=dtype,
+            param_dtype=param_dtype,
         )
+        where, size = type(self).__name__, self.size
+        num_groups = _checks.positive_int(where, "num_groups", num_groups)
+        if size % num_groups:
+            divisors = [d for d in range(1, size + 1) if size % d == 0]
+            shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
+            raise ValueError(
+                f"{where}: num_groups={num_groups} does not divide size={size}: every group "
+                f"must hold the same number of channels. Choose num_groups among the divisors "
+                f"of {size}: {shown}."
+            )
+        self.num_groups = num_groups
+
+    def _describe(self) -> str:
+        return f"{type(self).__name__}(num_groups={self.num_groups}, size={self.size})"
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """Normalises `x` of shape ``(batch, ..., num_features)`` per group of channels."""
-        settings = f"num_groups={self.num_groups}, num_features={self.num_features}"
-        check_features_axis("GroupNorm", settings, self.num_features, x)
-        scale = self.scale.value if self.scale is not None else None
-        bias = self.bias.value if self.bias is not None else None
+        """Normalises `x` of shape ``(batch, ..., size)`` per group of channels."""
+        self._check_input(x)
+        scale, bias = self._scale_and_bias()
         return group_norm(
             x, scale, bias, num_groups=self.num_groups, epsilon=self.epsilon, dtype=self.dtype
         )
-
-
-def check_num_features(layer: str, num_features: Any) -> int:
-    """Returns `num_features` as an int; raises unless it is a positive int."""
-    meaning = ", the size of the input's last axis (its features or channels)"
-    return _checks.positive_int(layer, "num_features", num_features, meaning)
-
-
-def check_epsilon(layer: str, epsilon: Any) -> float:
-    """Returns `epsilon` as a float; raises unless it is a non-negative number."""
-    meaning = " (it is added to the variance before the square root)"
-    return _checks.non_negative(layer, "epsilon", epsilon, meaning=meaning)
-
-
-def check_features_axis(layer: str, settings: str, num_features: int, x: Any) -> None:
-    """Raises unless the last axis of `x` holds `num_features` features."""
-    hint = "The features must be on the last axis."
-    _checks.check_last_axis(f"{layer}({settings})", x, num_features, "num_features", hint=hint)
-
-
-def scale_and_bias(
-    layer: str,
-    num_features: int,
-    use_scale: bool,
-    use_bias: bool,
-    scale_init: Initializer,
-    bias_init: Initializer | None,
-    dtype: Any,
-    param_dtype: Any,
-) -> tuple[Parameter | None, Parameter | None]:
-    """Declares the ``scale`` and ``bias`` of shape ``(num_features,)`` (None when unused).
-
-    Linen applies the scale and bias in their storage dtype (never cast to the compute dtype),
-    so `.value` returns them in `param_dtype`.
-    """
-    stored = _checks.as_dtype(layer, "param_dtype", dtype if param_dtype is None else param_dtype)
-    scale = Parameter((num_features,), scale_init, stored, stored) if use_scale else None
-    bias = (
-        Parameter((num_features,), bias_init, stored, stored)
-        if use_bias and bias_init is not None
-        else None
-    )
-    return scale, bias

@@ -5,13 +5,14 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-Padding = str | Sequence[tuple[int, int]]
+from . import _checks
+
+PaddingLike = str | int | Sequence[int | Sequence[int]]
 
 
 @functools.partial(
@@ -48,62 +49,79 @@ def pool_kernel(
 def _pool(
     kind: str,
     x: jax.Array,
-    kernel_size: Sequence[int],
-    strides: Sequence[int] | None,
-    padding: Padding,
+    kernel_size: int | Sequence[int],
+    strides: int | Sequence[int] | None,
+    padding: PaddingLike,
     count_include_pad: bool = True,
 ) -> jax.Array:
-    window = tuple(int(k) for k in kernel_size)
-    name = f"{kind}_pool"
-    if not window:
-        raise ValueError(f"{name}: kernel_size must name at least one spatial axis.")
-    if x.ndim < len(window) + 1:
-        raise ValueError(
-            f"{name}: a kernel_size of {len(window)} axes needs input of shape "
-            f"(batch, {len(window)} spatial axes, features); got shape {tuple(x.shape)}."
+    where = f"{kind}_pool"
+    window = _checks.window(where, "kernel_size", kernel_size)
+    n = len(window)
+    if not isinstance(kernel_size, Sequence) and getattr(x, "ndim", 0) > 3:
+        raise TypeError(
+            f"{where}: kernel_size={kernel_size!r} is a window over one spatial axis, but the "
+            f"input of shape {tuple(x.shape)} has more axes than (batch, length, features), "
+            f"so which axes are spatial is ambiguous. Pass one size per spatial axis: "
+            f"kernel_size=({kernel_size}, {kernel_size}) for images, or ({kernel_size},) to "
+            f"pool only the axis before the features."
         )
-    steps = (1,) * len(window) if strides is None else tuple(int(s) for s in strides)
-    if len(steps) != len(window):
+    steps = (1,) * n if strides is None else _checks.per_axis(where, "strides", strides, n)
+    pads = _checks.padding(where, padding, n, ("SAME", "VALID"))
+    include_pad = _checks.flag(where, "count_include_pad", count_include_pad)
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = jnp.asarray(x)
+    shape = tuple(x.shape)
+    if len(shape) < n + 1:
         raise ValueError(
-            f"{name}: strides {tuple(steps)} must have one entry per axis of kernel_size {window}."
+            f"{where}: a kernel_size of {n} axes needs input of shape (batch..., {n} spatial "
+            f"axes, features), channels last; got shape {shape}."
         )
-    if isinstance(padding, str):
-        if padding.upper() not in ("SAME", "VALID"):
-            raise ValueError(
-                f"{name}: padding must be 'SAME', 'VALID' or (low, high) pairs, got {padding!r}."
-            )
-        pads: Any = padding.upper()
+    if kind == "avg":
+        fits, need = jnp.issubdtype(x.dtype, jnp.floating), "a floating"
     else:
-        pads = tuple((int(lo), int(hi)) for lo, hi in padding)
-        if len(pads) != len(window):
-            raise ValueError(
-                f"{name}: padding needs one (low, high) pair per axis of "
-                f"kernel_size {window}, got {len(pads)}."
-            )
-    return pool_kernel(x, kind, window, steps, pads, count_include_pad)
+        fits = jnp.issubdtype(x.dtype, jnp.integer) or jnp.issubdtype(x.dtype, jnp.floating)
+        need = "an integer or floating"
+    if not fits:
+        raise TypeError(
+            f"{where} needs {need} input, got dtype {x.dtype}; convert it first, e.g. "
+            f"x.astype(jnp.float32)."
+        )
+    _checks.check_window_fits(where, shape, window, (1,) * n, pads)
+    return pool_kernel(x, kind, window, steps, pads, include_pad)
 
 
 def max_pool(
     x: jax.Array,
-    kernel_size: Sequence[int],
-    strides: Sequence[int] | None = None,
-    padding: Padding = "VALID",
+    kernel_size: int | Sequence[int],
+    strides: int | Sequence[int] | None = None,
+    padding: PaddingLike = "VALID",
 ) -> jax.Array:
     """The maximum over each window of the spatial axes (Flax Linen's ``max_pool``).
 
+    The spatial axes are the ``len(kernel_size)`` axes before the last (the features); any
+    axes before them are batch axes.
+
     Args:
-        x: Input of shape ``(batch, *spatial, features)``.
-        kernel_size: The window, one size per spatial axis.
-        strides: Step between windows (default: 1 on every axis).
-        padding: ``"VALID"``, ``"SAME"``, or one ``(low, high)`` pair per spatial axis.
+        x: Input of shape ``(batch..., *spatial, features)``, integer or floating.
+        kernel_size: The window: one size per spatial axis, or an int for a window over one
+            spatial axis, for inputs ``(batch, length, features)`` (an int on an input with
+            more axes is an error: for images pass ``(2, 2)``).
+        strides: Step between windows: an int for every axis or one per axis (default: 1).
+        padding: ``"VALID"``, ``"SAME"``, an int for every side, or one entry per spatial
+            axis, each an int or a ``(low, high)`` pair.
 
     Returns:
         The pooled array.
 
+    Raises:
+        ValueError: A window, stride or padding that does not fit the input (a ``"VALID"``
+            window larger than the input, which would give an empty output, included).
+        TypeError: A window or strides that are not ints; an input of another dtype.
+
     Example:
         >>> import jax.numpy as jnp, lamina as lm
         >>> x = jnp.arange(16.0).reshape(1, 4, 4, 1)
-        >>> lm.max_pool(x, kernel_size=(2, 2), strides=(2, 2))[0, :, :, 0]
+        >>> lm.max_pool(x, kernel_size=(2, 2), strides=2)[0, :, :, 0]
         Array([[ 5.,  7.],
                [13., 15.]], dtype=float32)
     """
@@ -112,31 +130,43 @@ def max_pool(
 
 def min_pool(
     x: jax.Array,
-    kernel_size: Sequence[int],
-    strides: Sequence[int] | None = None,
-    padding: Padding = "VALID",
+    kernel_size: int | Sequence[int],
+    strides: int | Sequence[int] | None = None,
+    padding: PaddingLike = "VALID",
 ) -> jax.Array:
-    """The minimum over each window of the spatial axes (arguments as `max_pool`)."""
+    """The minimum over each window of the spatial axes (arguments as `max_pool`).
+
+    Example:
+        >>> import jax.numpy as jnp, lamina as lm
+        >>> lm.min_pool(jnp.arange(4.0).reshape(1, 4, 1), kernel_size=2, strides=2)[0, :, 0]
+        Array([0., 2.], dtype=float32)
+    """
     return _pool("min", x, kernel_size, strides, padding)
 
 
 def avg_pool(
     x: jax.Array,
-    kernel_size: Sequence[int],
-    strides: Sequence[int] | None = None,
-    padding: Padding = "VALID",
+    kernel_size: int | Sequence[int],
+    strides: int | Sequence[int] | None = None,
+    padding: PaddingLike = "VALID",
     count_include_pad: bool = True,
 ) -> jax.Array:
     """The mean over each window of the spatial axes (arguments as `max_pool`).
 
     Args:
-        x: Input of shape ``(batch, *spatial, features)``.
-        kernel_size: The window, one size per spatial axis.
-        strides: Step between windows (default: 1 on every axis).
-        padding: ``"VALID"``, ``"SAME"``, or one ``(low, high)`` pair per spatial axis.
+        x: Input of shape ``(batch..., *spatial, features)``, floating.
+        kernel_size: The window: one size per spatial axis, or an int for one spatial axis.
+        strides: Step between windows: an int for every axis or one per axis (default: 1).
+        padding: ``"VALID"``, ``"SAME"``, an int for every side, or one entry per spatial
+            axis, each an int or a ``(low, high)`` pair.
         count_include_pad: Whether padded positions count in the mean's denominator.
 
     Returns:
         The pooled array.
+
+    Example:
+        >>> import jax.numpy as jnp, lamina as lm
+        >>> lm.avg_pool(jnp.arange(4.0).reshape(1, 4, 1), kernel_size=2, strides=2)[0, :, 0]
+        Array([0.5, 2.5], dtype=float32)
     """
     return _pool("avg", x, kernel_size, strides, padding, count_include_pad)

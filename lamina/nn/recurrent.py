@@ -15,8 +15,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from .._core.frame import require_frame
 from .._core.module import Module
 from . import _checks
 from .cells import Carry, carry_shapes, compiled_step, tree_shapes
@@ -78,7 +80,7 @@ def _select_carry(valid: jax.Array, new: Carry, old: Carry) -> Carry:
 
 
 def _scan_sequence(
-    step: Callable[[Carry, jax.Array], tuple[Carry, Any]],
+    step: Callable[[Carry, jax.Array, jax.Array], tuple[Carry, Any]],
     carry: Carry,
     inputs: jax.Array,
     seq_lengths: jax.Array | None,
@@ -90,7 +92,7 @@ def _scan_sequence(
     unroll: int | bool,
     feature_axes: int,
 ) -> tuple[Carry, Any]:
-    """Linen's `RNN` over `step`: returns ``(final_carry, outputs)``."""
+    """Linen's `RNN` over ``step(carry, x, t)``: returns ``(final_carry, outputs)``."""
     time_axis = 0 if time_major else inputs.ndim - feature_axes - 1
     num_batch_dims = inputs.ndim - feature_axes - 1
     if seq_lengths is not None:
@@ -98,18 +100,18 @@ def _scan_sequence(
     if reverse:
         inputs = flip_sequences(inputs, seq_lengths, num_batch_dims, time_major)
     xs = jnp.moveaxis(inputs, time_axis, 0)
+    steps = jnp.arange(xs.shape[0], dtype=jnp.int32)
     if seq_lengths is not None and return_carry:
         # Keep the running carry (so the outputs are Linen's, padding steps included) and,
         # beside it, the carry after each sequence's last valid step.
         def masked_step(state: Any, x_t: Any) -> Any:
             (run, last), (x, t) = state, x_t
-            run, y = step(run, x)
+            run, y = step(run, x, t)
             return (run, _select_carry(t < seq_lengths, run, last)), y
 
-        steps = jnp.arange(xs.shape[0], dtype=jnp.int32)
         (_, carry), ys = lax.scan(masked_step, (carry, carry), (xs, steps), unroll=unroll)
     else:
-        carry, ys = lax.scan(step, carry, xs, unroll=unroll)
+        carry, ys = lax.scan(lambda c, x_t: step(c, *x_t), carry, (xs, steps), unroll=unroll)
     outputs = jax.tree.map(lambda y: jnp.moveaxis(y, 0, time_axis), ys)
     if reverse and keep_order:
         outputs = jax.tree.map(
@@ -141,7 +143,8 @@ def rnn_scan(
     step). One compiled function: `RNN` calls it for `LSTMCell` and `GRUCell`.
     """
 
-    def step(state: Carry, x: jax.Array) -> tuple[Carry, Any]:
+    def step(state: Carry, x: jax.Array, t: jax.Array) -> tuple[Carry, Any]:
+        del t
         return kernel(weights, state, x)
 
     return _scan_sequence(
@@ -161,17 +164,19 @@ def rnn_scan(
 class RNN(Module):
     """Runs a cell over the time axis of a sequence (`jax.lax.scan`), as Flax Linen's `RNN`.
 
-    ``rnn(inputs)`` takes inputs of shape ``(*batch, time, in_features)`` (``(time, *batch,
-    in_features)`` when `time_major`) and returns the cell's outputs, ``(*batch, time,
-    hidden_features)``, or ``(final_carry, outputs)`` when `return_carry`. The cell's variables
+    ``rnn(inputs)`` takes inputs of shape ``(*batch, time, in_size)`` (``(time, *batch,
+    in_size)`` when `time_major`) and returns the cell's outputs, ``(*batch, time,
+    hidden_size)``, or ``(final_carry, outputs)`` when `return_carry`. The cell's variables
     live under ``cell``, as in Linen, and are shared by all time steps.
 
-    Variable-length sequences: with ``seq_lengths`` (integers of the batch shape), steps at or
-    after ``seq_lengths[b]`` are padding. The returned carry is the one after each sequence's
-    last valid step (the initial carry for a length of 0). As in Linen, outputs at padding
-    steps are not zeroed: the cell keeps running over the padding and its outputs there are
-    meaningless. With `reverse`, each sequence is reversed within its length and the padding
-    stays at the end (see `flip_sequences`).
+    Variable-length sequences: with ``seq_lengths`` (integers of the batch shape, each in
+    ``[0, time]``), steps at or after ``seq_lengths[b]`` are padding. The lengths are checked
+    when their values are known (eager calls); under `jax.jit` they are traced and cannot be
+    checked, so check them before the jitted step. The returned carry is the one after each
+    sequence's last valid step (the initial carry for a length of 0). As in Linen, outputs at
+    padding steps are not zeroed: the cell keeps running over the padding and its outputs
+    there are meaningless. With `reverse`, each sequence is reversed within its length and the
+    padding stays at the end (see `flip_sequences`).
 
     Args:
         cell: The cell to run: `LSTMCell`, `GRUCell`, or any `Module` with the same protocol
@@ -198,9 +203,16 @@ class RNN(Module):
         True
     """
 
+    time_major = _checks.Setting()
+    reverse = _checks.Setting()
+    keep_order = _checks.Setting()
+    return_carry = _checks.Setting()
+    unroll = _checks.Setting()
+
     def __init__(
         self,
         cell: Module,
+        *,
         time_major: bool = False,
         reverse: bool = False,
         keep_order: bool = False,
@@ -208,23 +220,25 @@ class RNN(Module):
         unroll: int | bool = 1,
     ):
         super().__init__()
+        where = type(self).__name__
         if not isinstance(cell, Module) or not callable(getattr(cell, "initialize_carry", None)):
             raise TypeError(
-                f"RNN's cell must be a cell module such as LSTMCell(in_features, "
-                f"hidden_features): a Module with __call__(carry, x) and "
-                f"initialize_carry(batch_shape); got {type(cell).__name__}."
+                f"{where}'s cell must be a cell module such as LSTMCell(in_size, hidden_size): "
+                f"a Module with __call__(carry, x) and initialize_carry(batch_shape); got "
+                f"{type(cell).__name__}."
             )
-        if not isinstance(unroll, (int, bool)) or (not isinstance(unroll, bool) and unroll < 1):
-            raise ValueError(
-                f"RNN: unroll must be a positive int (or True to unroll the whole loop), "
+        if not (isinstance(unroll, bool) or (_checks.is_int(unroll) and unroll >= 1)):
+            error = ValueError if _checks.is_int(unroll) else _checks.SettingTypeError
+            raise error(
+                f"{where}: unroll must be a positive int (or True to unroll the whole loop), "
                 f"got {unroll!r}."
             )
         self.cell = cell
-        self.time_major = bool(time_major)
-        self.reverse = bool(reverse)
-        self.keep_order = bool(keep_order)
-        self.return_carry = bool(return_carry)
-        self.unroll = unroll
+        self.time_major = _checks.flag(where, "time_major", time_major)
+        self.reverse = _checks.flag(where, "reverse", reverse)
+        self.keep_order = _checks.flag(where, "keep_order", keep_order)
+        self.return_carry = _checks.flag(where, "return_carry", return_carry)
+        self.unroll = unroll if isinstance(unroll, bool) else int(unroll)
 
     def __call__(
         self,
@@ -239,13 +253,15 @@ class RNN(Module):
                 `time_major`; the cell's feature axes are last (one for LSTM and GRU cells).
             initial_carry: The carry before the first step (default:
                 ``cell.initialize_carry(batch_shape)``, zeros).
-            seq_lengths: Integer lengths of shape ``batch``; see the class docstring.
+            seq_lengths: Integer lengths of shape ``batch``, each in ``[0, time]``; see the
+                class docstring. They are checked when their values are known (eager
+                calls); under `jax.jit` they are traced and cannot be checked.
 
         Returns:
             The outputs, with the time axis where the inputs have it; with `return_carry`,
             ``(final_carry, outputs)``.
         """
-        cell = self.cell
+        cell: Any = self.cell  # any module with the cell protocol
         inputs = jnp.asarray(inputs)
         shape = tuple(inputs.shape)
         feature_axes = getattr(cell, "num_feature_axes", 1)
@@ -256,10 +272,10 @@ class RNN(Module):
                 f"least {feature_axes + 1} axes (time and {feature_axes} feature axis), got "
                 f"shape {shape}. For one sequence of scalars add a feature axis: x[..., None]."
             )
-        in_features = getattr(cell, "in_features", None)
-        if in_features is not None:
-            where = f"RNN({type(cell).__name__}(in_features={in_features}))"
-            _checks.check_last_axis(where, inputs, in_features, "in_features", what="inputs")
+        in_size = getattr(cell, "in_size", None)
+        if in_size is not None:
+            where = f"RNN({type(cell).__name__}(in_size={in_size}))"
+            _checks.check_last_axis(where, inputs, in_size, "in_size", what="inputs")
         time_axis = 0 if self.time_major else inputs.ndim - feature_axes - 1
         batch = shape[1 : inputs.ndim - feature_axes] if self.time_major else shape[:time_axis]
 
@@ -276,6 +292,17 @@ class RNN(Module):
                     f"{shape} (time_major={self.time_major}), one length per sequence; got "
                     f"shape {tuple(seq_lengths.shape)}."
                 )
+            time = shape[time_axis]
+            if _checks.is_concrete(seq_lengths) and seq_lengths.size:
+                values = np.asarray(seq_lengths)  # not a jax op: no tracer under an outer jit
+                low, high = int(values.min()), int(values.max())
+                if low < 0 or high > time:
+                    raise ValueError(
+                        f"RNN's seq_lengths must be in [0, {time}] (the inputs' time axis has "
+                        f"{time} steps, shape {shape}, time_major={self.time_major}); got "
+                        f"{low if low < 0 else high}. A length counts the valid steps at the "
+                        f"start of a sequence."
+                    )
 
         if initial_carry is None:
             carry = cell.initialize_carry(batch)
@@ -305,8 +332,14 @@ class RNN(Module):
         else:
             # A fresh function per call: `lax.scan` caches its trace (constants included, and
             # the cell's values are constants of the body) by the identity of the function.
-            def step(state: Carry, x: jax.Array) -> tuple[Carry, Any]:
-                return cell(state, x)
+            # Each step runs in a frame of its own, so the cell's keys differ per time step.
+            frame_for = require_frame(f"{type(self).__name__}.__call__").iterations(
+                f"RNN's cell {type(cell).__name__}"
+            )
+
+            def step(state: Carry, x: jax.Array, t: jax.Array) -> tuple[Carry, Any]:
+                with frame_for(t):
+                    return cell(state, x)
 
             carry, outputs = _scan_sequence(
                 step, carry, inputs, seq_lengths, feature_axes=feature_axes, **settings
