@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import _common
 import jax
 import numpy as np
 import optax
@@ -20,32 +21,11 @@ import lamina as lm
 # --- data -------------------------------------------------------------------------------
 
 
-def add_data_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--data-dir",
-        help="an MNIST-format folder (default: Fashion-MNIST if installed, else "
-        "scikit-learn's digits)",
-    )
-    parser.add_argument(
-        "--digits",
-        action="store_true",
-        help="use scikit-learn's 8x8 digits even if Fashion-MNIST is there",
-    )
-
-
-def load_data(args) -> lm.data.ImageData:
-    if args.digits:
-        return lm.data.load_digits()
-    if args.data_dir:
-        return lm.data.load_idx_folder(args.data_dir)
-    return lm.data.load_default_images()
-
-
 def endless_batches(data: dict, batch_size: int, rng: np.random.Generator):
     """Shuffled batches, epoch after epoch (every batch full, so one compiled step)."""
     batch_size = min(batch_size, len(data["label"]))
     while True:
-        yield from lm.data.batches(data, batch_size, rng=rng)
+        yield from lm.data.batches(data, batch_size, rng=rng, drop_last=True)
 
 
 # --- training and evaluation ------------------------------------------------------------
@@ -91,7 +71,7 @@ def make_evaluate(model: lm.Module):
         logits = np.concatenate(
             [
                 np.asarray(predict(variables, batch["image"]))
-                for batch in lm.data.batches(data, batch_size, drop_remainder=False)
+                for batch in lm.data.batches(data, batch_size)
             ]
         )
         return {
@@ -119,7 +99,9 @@ def train(name, model, trainable, optimizer, variables, data, steps, eval_every,
 
     Returns:
         ``(variables, report)``: the trained variables, and the final test accuracy and loss,
-        the trainable parameter count, the training time and the time per step.
+        the trainable parameter count, the training time, the time per step, and the history
+        (train loss and accuracy since the last evaluation, test loss and accuracy, at each
+        evaluation).
     """
     train_data, test_data = data
     evaluate = make_evaluate(model)
@@ -127,7 +109,7 @@ def train(name, model, trainable, optimizer, variables, data, steps, eval_every,
     train_step = make_train_step(model, optimizer, trainable)
     batches = endless_batches(train_data, args.batch_size, np.random.default_rng(args.seed))
     bar = tqdm(range(1, steps + 1), desc=name, unit="step", leave=False, disable=args.quiet)
-    meter, seconds, compile_seconds = lm.utils.AverageMeter(), 0.0, 0.0
+    meter, seconds, compile_seconds, history = lm.utils.AverageMeter(), 0.0, 0.0, []
     for step in bar:
         batch = next(batches)
         start = time.perf_counter()
@@ -144,6 +126,15 @@ def train(name, model, trainable, optimizer, variables, data, steps, eval_every,
         if evaluating:
             tested = evaluate(variables, test_data)
             trained, meter = meter.compute(), lm.utils.AverageMeter()
+            history.append(
+                {
+                    "step": step,
+                    "train_loss": trained["loss"],
+                    "train_accuracy": trained["accuracy"],
+                    "test_loss": tested["loss"],
+                    "test_accuracy": tested["accuracy"],
+                }
+            )
             tqdm.write(
                 f"{name:>11}  step {step:5d}  train loss {trained['loss']:.4f} "
                 f"accuracy {trained['accuracy']:.4f}  test accuracy {tested['accuracy']:.4f}"
@@ -155,6 +146,7 @@ def train(name, model, trainable, optimizer, variables, data, steps, eval_every,
         "seconds": seconds,
         "ms_per_step": 1000 * (seconds - compile_seconds) / max(steps - 1, 1),
         "steps": steps,
+        "history": history,
     }
 
 
@@ -180,11 +172,34 @@ def check_positive(parser: argparse.ArgumentParser, args, names) -> None:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
 
 
-def main(run, print_results, args) -> dict:
-    """Runs `run(args)`; a missing or broken data folder ends it with a one-line error."""
+def add_common_arguments(parser: argparse.ArgumentParser, example: str) -> None:
+    """--data-dir, --digits, --out."""
+    _common.add_data_arguments(parser)
+    _common.add_output_argument(parser, example)
+
+
+def save(results: dict, args, example: str, runs: dict[str, dict]) -> dict:
+    """Saves the results and, for each training run in `runs`, its loss and accuracy curves."""
+
+    def line(report, key):
+        return [row["step"] for row in report["history"]], [row[key] for row in report["history"]]
+
+    panels = {
+        "training loss (since the last evaluation)": {
+            name: line(report, "train_loss") for name, report in runs.items()
+        },
+        "test accuracy": {name: line(report, "test_accuracy") for name, report in runs.items()},
+    }
+    folder = _common.run_folder(args, example)
+    return _common.save_run(folder, results, args, panels, "step")
+
+
+def main(run, print_results, save_results, args) -> dict:
+    """Runs `run(args)`, prints and saves the results; a bad data folder ends it in one line."""
     try:
         results = run(args)
     except (FileNotFoundError, lm.data.IdxFormatError) as error:
         raise SystemExit(f"error: {error}") from None
     print_results(results)
+    results["files"] = save_results(results, args)
     return results

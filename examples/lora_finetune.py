@@ -14,7 +14,9 @@ the pretrained ones; `lm.merge_lora` finally folds the adapters into a plain Con
 computes the same function.
 
 By default it uses Fashion-MNIST when Debian's `dataset-fashion-mnist` is installed
-(/usr/share/datasets/fashion-mnist), and otherwise scikit-learn's bundled 8x8 digits.
+(/usr/share/datasets/fashion-mnist), and otherwise scikit-learn's bundled 8x8 digits; it says
+which. It saves the results (metrics.json) and each run's training loss and test accuracy
+(curves.png) in runs/lora_finetune-<date>-<time>/, or in the folder --out names.
 
     python examples/lora_finetune.py                    # the default data
     python examples/lora_finetune.py --digits           # the bundled digits
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 
+import _common
 import _finetuning as ft
 import jax
 import numpy as np
@@ -63,7 +66,7 @@ def invert(split: dict) -> dict:
 
 
 def run(args) -> dict:
-    data = ft.load_data(args)
+    data = _common.load_data(args)
     # Pretraining and adaptation use disjoint halves of the training images.
     order = np.random.default_rng(0).permutation(len(data.train["label"]))
     half = len(order) // 2
@@ -74,7 +77,7 @@ def run(args) -> dict:
     source_test, target_test = data.test, invert(data.test)
     image_shape = data.train["image"].shape[1:]
     print(
-        f"data: {data.name}, images of shape {image_shape}, {data.num_classes} classes\n"
+        f"{data.name}: images of shape {image_shape}, {data.num_classes} classes\n"
         f"  source (pretraining): {len(source_train['label']):,} training images\n"
         f"  target (inverted, 1 - x): {len(target_train['label']):,} other training images\n"
         f"  test: {len(source_test['label']):,} images, as they are (source) and inverted "
@@ -243,9 +246,19 @@ def print_results(results: dict) -> None:
     )
 
 
+def save(results: dict, args) -> dict:
+    # pretraining is tested on the source domain, the two others on the target domain
+    runs = {"pretrain (source)": results["pretrain"], "LoRA (target)": results["adapt"]}
+    if results["full_finetune"]:
+        runs["full fine-tune (target)"] = results["full_finetune"]
+    return ft.save(results, args, "lora_finetune", runs)
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ft.add_data_arguments(parser)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ft.add_common_arguments(parser, "lora_finetune")
     parser.add_argument(
         "--pretrain-steps",
         type=int,
@@ -312,7 +325,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    return ft.main(run, print_results, parse_args(argv))
+    return ft.main(run, print_results, save, parse_args(argv))
 
 
 if __name__ == "__main__":

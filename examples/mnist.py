@@ -1,8 +1,10 @@
 """The seed's MNIST program: a small ConvNet, SGD with momentum, on any MNIST-format data.
 
 By default it trains on Fashion-MNIST when Debian's `dataset-fashion-mnist` is installed
-(/usr/share/datasets/fashion-mnist), and otherwise on scikit-learn's bundled 8x8 digits, so it
-runs anywhere without downloading anything.
+(`sudo apt-get install dataset-fashion-mnist` puts it in /usr/share/datasets/fashion-mnist), and
+otherwise on scikit-learn's bundled 8x8 digits, so it runs anywhere without downloading anything.
+It says which data it found. It saves the per-epoch metrics (metrics.json) and the loss and
+accuracy curves (curves.png) in runs/mnist-<date>-<time>/, or in the folder --out names.
 
     python examples/mnist.py                          # the default data, 10 epochs
     python examples/mnist.py --data-dir path/to/mnist # MNIST, KMNIST, ... (IDX files)
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import _common
 import jax
 import jax.random as jr
 import numpy as np
@@ -83,23 +86,33 @@ def make_steps(apply, optimizer):
 
 def evaluate(eval_step, params, state, data, batch_size):
     meter = mx.utils.AverageMeter()
-    for batch in mx.data.batches(data, batch_size, drop_remainder=False):
+    for batch in mx.data.batches(data, batch_size):
         meter.update(eval_step(params, state, batch), n=len(batch["image"]))
     return meter.compute()
 
 
 def train(args) -> dict:
     """Trains and evaluates; returns the per-epoch history and the final test metrics."""
-    if args.digits:
-        data = mx.data.load_digits()
-    elif args.data_dir:
-        data = mx.data.load_idx_folder(args.data_dir)
-    else:
-        data = mx.data.load_default_images()
-    train_data = {k: v[: args.limit] for k, v in data.train.items()} if args.limit else data.train
+    data = _common.load_data(args)
+    available = len(data.train["label"])
+    train_data = data.train
+    if args.limit is not None:
+        if args.limit < available:
+            train_data = {k: v[: args.limit] for k, v in data.train.items()}
+        else:
+            print(
+                f"--limit {args.limit:,}: {data.name} has only {available:,} training images; "
+                f"training on all of them"
+            )
+    train_size = len(train_data["label"])
+    if train_size < args.batch_size:
+        raise SystemExit(
+            f"error: {train_size:,} training images make no full batch of {args.batch_size} "
+            f"(--batch-size); lower --batch-size or raise --limit."
+        )
     image_shape = data.train["image"].shape[1:]
     print(
-        f"data: {data.name}: {len(train_data['label']):,} training and "
+        f"{data.name}: {train_size:,} of {available:,} training images, "
         f"{len(data.test['label']):,} test images of shape {image_shape}"
     )
 
@@ -115,13 +128,13 @@ def train(args) -> dict:
     train_step, eval_step = make_steps(apply, optimizer)
 
     shuffle = np.random.default_rng(args.seed)
-    steps_per_epoch = len(train_data["label"]) // args.batch_size
+    steps_per_epoch = train_size // args.batch_size  # full batches: one compiled step
     history = []
     for epoch in range(1, args.epochs + 1):
         meter = mx.utils.AverageMeter()
         start = time.perf_counter()
         bar = tqdm(
-            mx.data.batches(train_data, args.batch_size, rng=shuffle),
+            mx.data.batches(train_data, args.batch_size, rng=shuffle, drop_last=True),
             total=steps_per_epoch,
             desc=f"epoch {epoch}/{args.epochs}",
             unit="step",
@@ -157,6 +170,8 @@ def train(args) -> dict:
         )
     return {
         "data": data.name,
+        "train_size": train_size,
+        "test_size": len(data.test["label"]),
         "history": history,
         "test": history[-1] if history else None,
         "steps_per_epoch": steps_per_epoch,
@@ -172,37 +187,70 @@ def print_results(results: dict) -> None:
             f"{row['epoch']:5d}  {row['train_loss']:10.4f}  {row['train_accuracy']:9.4f}  "
             f"{row['test_loss']:9.4f}  {row['test_accuracy']:8.4f}  {row['seconds']:7.1f}"
         )
-    epoch_seconds = [row["seconds"] for row in history[1:]] or [history[0]["seconds"]]
+    if len(history) > 1:
+        seconds = float(np.median([row["seconds"] for row in history[1:]]))
+        timing = "median over the epochs after the first, which compiles"
+    else:
+        seconds = history[0]["seconds"]
+        timing = "one epoch, including the compilation; run 2 or more for a steady figure"
     best = max(history, key=lambda row: row["test_accuracy"])
     print(
         f"final test accuracy {history[-1]['test_accuracy']:.4f} (best "
-        f"{best['test_accuracy']:.4f} at epoch {best['epoch']}); "
-        f"{np.median(epoch_seconds):.1f} s per epoch, "
-        f"{1000 * np.median(epoch_seconds) / results['steps_per_epoch']:.2f} ms per step "
-        f"(median over epochs after the first, which compiles)"
+        f"{best['test_accuracy']:.4f} at epoch {best['epoch']}); {seconds:.1f} s per epoch, "
+        f"{1000 * seconds / results['steps_per_epoch']:.2f} ms per step ({timing})"
     )
+
+
+def save(results: dict, args) -> dict:
+    """Saves the metrics and the loss/accuracy curves in the run's folder."""
+    epochs = [row["epoch"] for row in results["history"]]
+
+    def line(key):
+        return epochs, [row[key] for row in results["history"]]
+
+    panels = {
+        "loss": {"train": line("train_loss"), "test": line("test_loss")},
+        "accuracy": {"train": line("train_accuracy"), "test": line("test_accuracy")},
+    }
+    return _common.save_run(_common.run_folder(args, "mnist"), results, args, panels, "epoch")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    _common.add_data_arguments(parser)
     parser.add_argument(
-        "--data-dir",
-        help="an MNIST-format folder (default: Fashion-MNIST "
-        "if installed, else scikit-learn's digits)",
+        "--epochs",
+        type=int,
+        default=10,
+        help="passes over the training images (default: %(default)s)",
+    )
+    parser.add_argument("--batch-size", type=int, default=64, help="(default: %(default)s)")
+    parser.add_argument(
+        "--learning-rate", type=float, default=0.01, help="SGD's (default: %(default)s)"
+    )
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD's (default: %(default)s)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=42,
+        help="seeds the initial weights, the dropout masks and the shuffle (default: %(default)s)",
     )
     parser.add_argument(
-        "--digits",
-        action="store_true",
-        help="train on scikit-learn's 8x8 digits even if Fashion-MNIST is there",
+        "--limit",
+        type=int,
+        metavar="N",
+        help="train on the first N training images only (any data set; all of them when it "
+        "has fewer); the test set stays whole",
     )
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--learning-rate", type=float, default=0.01)
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--limit", type=int, help="train on the first N images only")
+    _common.add_output_argument(parser, "mnist")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in ("epochs", "batch_size", "limit"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
 
 
 def main(argv=None) -> dict:
@@ -212,6 +260,7 @@ def main(argv=None) -> dict:
     except (FileNotFoundError, mx.data.IdxFormatError) as error:
         raise SystemExit(f"error: {error}") from None
     print_results(results)
+    results["files"] = save(results, args)
     return results
 
 

@@ -14,7 +14,9 @@ from scratch (no pretraining), fine-tuned (every parameter trains), and with the
 (only `head` trains: ``lm.grad(loss, model, lm.DiffState(0, lm.PathContains("head")))``).
 
 By default it uses Fashion-MNIST when Debian's `dataset-fashion-mnist` is installed
-(/usr/share/datasets/fashion-mnist), and otherwise scikit-learn's bundled 8x8 digits.
+(/usr/share/datasets/fashion-mnist), and otherwise scikit-learn's bundled 8x8 digits; it says
+which. It saves the results (metrics.json) and each run's training loss and test accuracy
+(curves.png) in runs/transfer_learning-<date>-<time>/, or in the folder --out names.
 
     python examples/transfer_learning.py                       # the default data
     python examples/transfer_learning.py --digits              # the bundled digits
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 
+import _common
 import _finetuning as ft
 import jax
 import numpy as np
@@ -77,7 +80,7 @@ def few_per_class(split: dict, per_class: int, rng: np.random.Generator) -> dict
 
 
 def run(args) -> dict:
-    data = ft.load_data(args)
+    data = _common.load_data(args)
     classes = np.arange(data.num_classes)
     task_a, task_b = classes[: data.num_classes // 2], classes[data.num_classes // 2 :]
     source_train = select_classes(data.train, task_a)
@@ -89,7 +92,7 @@ def run(args) -> dict:
     target_test = select_classes(data.test, task_b)
     image_shape = data.train["image"].shape[1:]
     print(
-        f"data: {data.name}, images of shape {image_shape}\n"
+        f"{data.name}: images of shape {image_shape}\n"
         f"  task A (pretraining): classes {task_a.tolist()}, "
         f"{len(source_train['label']):,} training and {len(source_test['label']):,} test images\n"
         f"  task B (transfer):    classes {task_b.tolist()} as 0-{len(task_b) - 1}, "
@@ -192,9 +195,16 @@ def print_results(results: dict) -> None:
     )
 
 
+def save(results: dict, args) -> dict:
+    runs = {"pretrain (task A)": results["pretrain"], **results["variants"]}
+    return ft.save(results, args, "transfer_learning", runs)
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ft.add_data_arguments(parser)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ft.add_common_arguments(parser, "transfer_learning")
     parser.add_argument(
         "--pretrain-steps",
         type=int,
@@ -250,7 +260,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    return ft.main(run, print_results, parse_args(argv))
+    return ft.main(run, print_results, save, parse_args(argv))
 
 
 if __name__ == "__main__":

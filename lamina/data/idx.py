@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 # The third byte of the magic number says what the elements are (big-endian on disk).
-_DTYPES = {
+_DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype(np.uint8),
     0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),

@@ -89,9 +89,9 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> ImageData:
     """
     from sklearn.datasets import load_digits as sklearn_digits
 
-    digits = sklearn_digits()
-    images = (digits.images.astype(np.float32) / 16.0)[..., None]
-    labels = digits.target.astype(np.int32)
+    features, target = sklearn_digits(return_X_y=True)  # (1797, 64) pixel values 0-16
+    images = (np.asarray(features, np.float32).reshape(-1, 8, 8) / 16.0)[..., None]
+    labels = np.asarray(target).astype(np.int32)
     order = np.random.default_rng(seed).permutation(len(images))
     cut = len(images) - round(len(images) * test_fraction)
     train, test = order[:cut], order[cut:]
@@ -104,7 +104,11 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> ImageData:
 
 
 def load_default_images() -> ImageData:
-    """Fashion-MNIST from Debian's ``dataset-fashion-mnist`` if installed, else the digits."""
+    """Fashion-MNIST from Debian's ``dataset-fashion-mnist`` if installed, else the digits.
+
+    ``sudo apt-get install dataset-fashion-mnist`` (Debian, Ubuntu) installs the set in
+    `FASHION_MNIST_DIR`. The result's ``name`` says which set was loaded.
+    """
     if FASHION_MNIST_DIR.is_dir():
         return load_idx_folder(FASHION_MNIST_DIR, "Fashion-MNIST")
     return load_digits()
