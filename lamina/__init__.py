@@ -37,6 +37,17 @@ from ._core.filters import OfType as OfType
 from ._core.filters import PathContains as PathContains
 from ._core.filters import WithTag as WithTag
 from ._core.filters import to_predicate as to_predicate
+from ._core.lift import Carry as Carry
+from ._core.lift import StateAxes as StateAxes
+from ._core.lift import checkpoint as checkpoint
+from ._core.lift import cond as cond
+from ._core.lift import fori_loop as fori_loop
+from ._core.lift import remat as remat
+from ._core.lift import scan as scan
+from ._core.lift import split_rngs as split_rngs
+from ._core.lift import switch as switch
+from ._core.lift import vmap as vmap
+from ._core.lift import while_loop as while_loop
 from ._core.module import Module as Module
 from ._core.rng import PRNGKeys as PRNGKeys
 from ._core.rng import next_rng_key as next_rng_key
@@ -44,6 +55,8 @@ from ._core.selection import filter_variables as filter_variables
 from ._core.selection import mask as mask
 from ._core.selection import merge as merge
 from ._core.selection import split as split
+from ._core.submodule import put_variables as put_variables
+from ._core.submodule import take_variables as take_variables
 from ._core.transform import AssignReport as AssignReport
 from ._core.transform import Transformed as Transformed
 from ._core.transform import apply as apply
@@ -73,6 +86,7 @@ from .nn import LSTMCell as LSTMCell
 from .nn import MultiHeadAttention as MultiHeadAttention
 from .nn import RMSNorm as RMSNorm
 from .nn import Sequential as Sequential
+from .nn import Stack as Stack
 from .nn import avg_pool as avg_pool
 from .nn import combine_masks as combine_masks
 from .nn import dot_product_attention as dot_product_attention

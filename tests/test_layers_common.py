@@ -208,3 +208,64 @@ def test_every_public_layer_is_in_the_table():
     )
     assert not set(NOT_LAYERS) & in_table, "an entry of NOT_LAYERS is in the table after all"
     assert set(NOT_LAYERS) <= public_layers(), "NOT_LAYERS names something that is not public"
+
+
+class _Lifted(lm.Module):
+    """Runs the case's layer through a lifted transform: checkpoint, or vmap over a Stack."""
+
+    def __init__(self, case, layer, copies):
+        self.case = case
+        self.copies = copies
+        self.layer = lm.Stack(layer, copies) if copies else layer
+
+    def __call__(self, *inputs):
+        case = self.case
+
+        def run(layer, *inputs):
+            method = case.to_callable(layer) if case.to_callable else layer.__call__
+            return method(*inputs, **case.kwargs)
+
+        if not self.copies:
+            return lm.checkpoint(run)(self.layer, *inputs)
+        in_axes = (0, *([None] * len(inputs)))
+        return lm.vmap(run, in_axes=in_axes, axis_size=self.copies)(self.layer.block, *inputs)
+
+
+@pytest.mark.parametrize("case", LAYERS, ids=IDS)
+def test_lifted_checkpoint_equals_the_plain_layer(case):
+    variables, call, inputs = build(case)
+    host = _Lifted(case, case.make(*F32), copies=0)
+    init, apply = lm.transform(host)
+    lifted = {c: {"layer": v} for c, v in variables.items()}
+    rngs = jax.random.key(1) if case.needs_rng else None
+    out, new = apply(lifted, rngs, *inputs)
+    if case.needs_rng:  # the lifted call forks the streams, so its keys differ
+        assert jax.tree.structure(out) == jax.tree.structure(call(variables, *inputs)[0])
+        return
+    expected, expected_new = call(variables, *inputs)
+    assert_close(out, expected)
+    assert_close(lm.take_variables(host, new, host.layer), expected_new)
+
+
+@pytest.mark.parametrize("case", LAYERS, ids=IDS)
+def test_every_member_of_a_stack_equals_the_layer_with_its_slice(case):
+    _, call, inputs = build(case)
+    host = _Lifted(case, case.make(*F32), copies=2)
+    init, apply = lm.transform(host)
+    variables = init(jax.random.key(0))
+    rngs = jax.random.key(1) if case.needs_rng else None
+    out, new = apply(variables, rngs, *inputs)
+    stacked = lm.take_variables(host, variables, host.layer.block)
+    new_stacked = lm.take_variables(host, new, host.layer.block)
+    for i in range(2):
+        member = jax.tree.map(lambda a, i=i: a[i], stacked)
+        expected, expected_new = call(member, *inputs)
+        got = jax.tree.map(lambda a, i=i: a[i], out)
+        if case.needs_rng:
+            assert jax.tree.structure(got) == jax.tree.structure(expected)
+            continue
+        assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert_close(jax.tree.map(lambda a, i=i: a[i], new_stacked), expected_new)
+    if stacked:
+        first = jax.tree.leaves(stacked)[0]
+        assert first.shape[0] == 2

@@ -71,9 +71,22 @@ class Frame:
         phase: ``"init"`` or ``"apply"``.
         parent: The frame that was active when this one opened.
         trace: JAX's trace state when the frame opened.
+        inside: For a frame nested inside a transform, what runs it (``"lm.vmap"``).
+        writable: The slots a nested frame may write (a lifted transform's argument
+            modules); None for every slot, or, with `inside`, for none.
     """
 
-    __slots__ = ("inside", "parent", "phase", "plan", "rngs", "shapes", "trace", "values")
+    __slots__ = (
+        "inside",
+        "parent",
+        "phase",
+        "plan",
+        "rngs",
+        "shapes",
+        "trace",
+        "values",
+        "writable",
+    )
 
     def __init__(
         self,
@@ -83,6 +96,7 @@ class Frame:
         phase: str,
         shapes: list[tuple[int, ...]] | None = None,
         inside: str | None = None,
+        writable: frozenset[int] | None = None,
     ):
         self.plan = plan
         self.values = values
@@ -90,6 +104,7 @@ class Frame:
         self.rngs = rngs
         self.phase = phase
         self.inside = inside
+        self.writable = writable
         self.parent: Frame | None = None
         self.trace: Any = None
 
@@ -143,7 +158,14 @@ class Frame:
         """Stores a new value for `state`, checking that it may be written and fits."""
         where = where_is(state)
         kind = type(state).__name__
-        if self.inside is not None:
+        if self.writable is not None and state._lamina_slot not in self.writable:
+            raise TraceContextError(
+                f"{kind} at {where} was written inside {self.inside}, but its module is not "
+                f"an argument of the transformed function: a module captured by closure can "
+                f"be read inside a lifted transform, not written. Pass the module as an "
+                f"argument."
+            )
+        if self.inside is not None and self.writable is None:
             raise TraceContextError(
                 f"{kind} at {where} was written inside {self.inside}, which runs it under a "
                 f"JAX transform: the written value would not be carried out of it. Keep state "

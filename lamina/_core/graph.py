@@ -262,7 +262,7 @@ class Plan:
                     continue
                 key = (node.collection, *(str(k) for k in path))
                 _insert(skeleton, key, len(declared), declared)
-                axes = tuple(getattr(node, "_lamina_axes", ()))
+                axes = tuple(node._lamina_axes)
                 declared.append(VariableEntry(path, node, key, axes))
         order, treedef = jax.tree_util.tree_flatten(skeleton)
         self.treedef: jax.tree_util.PyTreeDef = treedef
@@ -272,6 +272,13 @@ class Plan:
         self.shapes = [entry.shape for entry in self.variables]
         self.index = {entry.key: i for i, entry in enumerate(self.variables)}
         self._slots_of: dict[int, tuple[int, ...]] = {}
+        self._module_paths: dict[int, Path] | None = None
+
+    def module_paths(self) -> dict[int, Path]:
+        """``{id(module): path}`` for every module of the plan (built once)."""
+        if self._module_paths is None:
+            self._module_paths = {id(module): path for path, module in self.modules}
+        return self._module_paths
 
     def slots_of(self, module: Module) -> tuple[int, ...]:
         """The slots (indices into `variables`) of the variables reachable from `module`.

@@ -178,8 +178,15 @@ class RngStreams:
     @staticmethod
     def for_iteration(forked: dict[str, Any], index: Any) -> RngStreams:
         """The streams of iteration `index` (a traced int is fine) of a forked call."""
+        return RngStreams.from_keys(
+            {s: jax.random.fold_in(key, index) for s, key in forked.items()}
+        )
+
+    @staticmethod
+    def from_keys(keys: dict[str, Any]) -> RngStreams:
+        """Streams over already checked keys, by internal stream name (as `fork` returns)."""
         streams = RngStreams(None)
-        streams._keys = {s: jax.random.fold_in(key, index) for s, key in forked.items()}
+        streams._keys = keys
         return streams
 
 
@@ -192,6 +199,11 @@ def _describe(x: Any) -> str:
 
 def _label(name: str) -> str:
     return "default" if name == _DEFAULT else repr(name)
+
+
+def stream_label(stream: str) -> str:
+    """A stream's user-facing name: its name, or ``"default"`` for the default stream."""
+    return "default" if stream == _DEFAULT else stream
 
 
 def _available(keys: dict[str, Any]) -> str:

@@ -57,6 +57,8 @@ class State:
     _lamina_plan: Any = None
     _lamina_slot: int | None = None
     _lamina_path: tuple | None = None
+    # Sizes of axes stored in front of the declared shape (set by lm.Stack on its block).
+    _lamina_axes: tuple[int, ...] = ()
     _lamina_fixed_collection = False  # True for kinds whose constructor sets the collection
 
     def __init__(

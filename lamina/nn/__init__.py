@@ -25,3 +25,4 @@ from .pool import min_pool as min_pool
 from .recurrent import RNN as RNN
 from .regularization import Dropout as Dropout
 from .regularization import dropout as dropout
+from .stack import Stack as Stack
