@@ -210,6 +210,20 @@ LAYERS = [
         args(normal(3, 5)),
     ),
     LayerCase(
+        "stack",
+        lambda t, p: lm.Stack(
+            lm.Sequential(lm.Dense(4, 4, **d(t, p)), lm.tanh, lm.LayerNorm(4, **d(t, p))), 3
+        ),
+        args(normal(3, 4)),
+    ),
+    LayerCase(
+        "stack_remat_dropout",
+        lambda t, p: lm.Stack(lm.Dropout(0.5), 2, remat=True),
+        args(normal(3, 4)),
+        kwargs={"is_training": True},
+        needs_rng=True,
+    ),
+    LayerCase(
         "lora_conv",
         lambda t, p: lm.LoRA(
             lm.Conv(3, 4, (3, 3), **d(t, p)), rank=2, b_init=lm.initializers.normal(0.5)
