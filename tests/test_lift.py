@@ -569,3 +569,31 @@ def test_each_transform_equals_the_plain_computation_and_its_gradient(kind):
         grads = jax.grad(lambda v, apply=apply: jnp.sum(jnp.sin(apply(v, None, x)[0])))(v)
         results.append((out, grads))
     jax.tree.map(assert_close, results[1], results[0])
+
+
+@pytest.mark.parametrize("unroll", [2, True])
+def test_stack_unroll_computes_the_same(unroll):
+    x = jnp.arange(4.0) / 4
+    init, apply = lm.transform(lm.Stack(lm.Dense(4, 4), 4))
+    v = init(jax.random.key(0))
+    _, unrolled = lm.transform(lm.Stack(lm.Dense(4, 4), 4, unroll=unroll))
+    assert_close(unrolled(v, None, x)[0], apply(v, None, x)[0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"n": 0}, r"Stack: n must be a positive int"),
+        ({"unroll": 0}, r"Stack: unroll must be a positive int"),
+        ({"remat": "yes"}, r"Stack: remat must be True or False"),
+    ],
+)
+def test_stack_checks_its_arguments(kwargs, match):
+    arguments = {"n": 2, **kwargs}
+    with pytest.raises((TypeError, ValueError), match=match):
+        lm.Stack(lm.Dense(2, 2), **arguments)
+
+
+def test_stack_block_must_be_a_module():
+    with pytest.raises(TypeError, match=r"Stack: block must be an lm.Module"):
+        lm.Stack(lambda x: x, 2)

@@ -30,6 +30,9 @@ class Stack(Module):
         n: The number of copies.
         remat: Rematerialise each block in the backward pass (`checkpoint`), trading
             compute for memory.
+        unroll: Copies run per loop iteration (`jax.lax.scan`'s ``unroll``; True for all).
+            On CPUs a few unrolled layers can run faster than the loop (XLA fuses across
+            them) at the cost of a program that grows with ``unroll``.
 
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
@@ -44,8 +47,9 @@ class Stack(Module):
 
     n = _checks.Setting()
     remat = _checks.Setting()
+    unroll = _checks.Setting()
 
-    def __init__(self, block: Module, n: int, *, remat: bool = False):
+    def __init__(self, block: Module, n: int, *, remat: bool = False, unroll: int | bool = 1):
         super().__init__()
         where = type(self).__name__
         if not isinstance(block, Module):
@@ -55,6 +59,10 @@ class Stack(Module):
             )
         self.n = _checks.positive_int(where, "n", n)
         self.remat = _checks.flag(where, "remat", remat)
+        if isinstance(unroll, bool):
+            self.unroll = unroll
+        else:
+            self.unroll = _checks.positive_int(where, "unroll", unroll)
         for _, node in walk(block):
             if isinstance(node, State):
                 node._lamina_axes = (self.n, *node._lamina_axes)
@@ -68,4 +76,7 @@ class Stack(Module):
 
         run = checkpoint(step) if self.remat else step
         with split_rngs(splits=self.n):
-            return scan(run, in_axes=(0, Carry), out_axes=Carry, length=self.n)(self.block, x)
+            lifted = scan(
+                run, in_axes=(0, Carry), out_axes=Carry, length=self.n, unroll=self.unroll
+            )
+            return lifted(self.block, x)
