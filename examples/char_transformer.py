@@ -1,0 +1,578 @@
+"""A character-level transformer language model: nanoGPT's Shakespeare benchmark in lamina.
+
+A decoder-only transformer (GPT) reads a text one character at a time and learns to predict
+the next one: token and learned position embeddings, an `lm.Stack` of pre-norm blocks
+(LayerNorm, causal `MultiHeadAttention`, residual; LayerNorm, a 4x MLP with GELU, residual;
+dropout; the Stack splits the random streams per layer, so each layer draws its own masks),
+a final LayerNorm and an output layer tied to the token embedding (`--no-tie`: a separate
+one). Tied by default because nanoGPT ties them, and its 1.88 is the figure to compare with;
+with Shakespeare's 65 characters an untied layer adds only 1% more weights. AdamW with a
+linear warmup and a cosine decay (nanoGPT's settings), gradients clipped to norm 1. The
+first 90% of the text trains, the last 10% validates. At the end it writes a few hundred
+characters, decoding incrementally with the attention layers' `Cache`.
+
+The defaults are nanoGPT's CPU settings for Shakespeare (4 layers, 4 heads, width 128,
+context 64, batch 12, 2,000 iterations, no dropout, learning rate 1e-3), whose published
+validation loss is 1.88:
+
+    python examples/char_transformer.py --data ../shared/data/tinyshakespeare.txt
+    python examples/char_transformer.py                  # no --data: Python's own source
+    python examples/char_transformer.py --iters 200 --eval-interval 50   # a quick run
+
+Without --data it trains on text that ships with every Python: the standard library's
+top-level modules (``<stdlib>/*.py``), in alphabetical order, up to about 1 MB; it says which.
+It saves the metrics (metrics.json) and the loss curves (curves.png) in
+runs/char_transformer-<date>-<time>/, or in the folder --out names. The last line it prints
+is ``val loss: X.XXXX``, the mean loss over fixed validation windows, without dropout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import math
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import _common
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+import lamina as lm
+
+STDLIB_CHARACTERS = 1_000_000  # about the size of tinyshakespeare.txt
+
+
+def keep_freed_memory() -> bool:
+    """Asks glibc's malloc to keep freed memory for reuse instead of returning it to the OS.
+
+    Each training step allocates tens of MB of temporary buffers (the scan over the layers
+    stacks every layer's activations for the backward pass). By default glibc hands large
+    blocks back to the kernel when they are freed, so the next step takes page faults to get
+    them again: on a 2-core machine that is a third of a step's time. One arena, and no
+    mmap or trimming below 1 GiB, keep the same pages from step to step. The same as running
+    with ``MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=1073741824
+    MALLOC_TRIM_THRESHOLD_=1073741824``. Linux with glibc only; elsewhere it does nothing and
+    returns False.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8  # glibc's <malloc.h>
+    settings = ((m_arena_max, 1), (m_mmap_threshold, 1 << 30), (m_trim_threshold, 1 << 30))
+    return all(libc.mallopt(option, value) == 1 for option, value in settings)
+
+
+# --- the model --------------------------------------------------------------------------
+
+
+class Block(lm.Module):
+    """A pre-norm transformer block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``.
+
+    `decode_shape` gives the attention layer a `Cache` for incremental decoding.
+    """
+
+    def __init__(self, width, heads, dropout, layers, decode_shape=None):
+        super().__init__()
+        # GPT-2's initialisation (nanoGPT's): normal(0.02), and the two projections into the
+        # residual stream scaled down by sqrt(2 * layers), one for each residual addition.
+        weights = lm.initializers.normal(0.02)
+        residual = lm.initializers.normal(0.02 / math.sqrt(2 * layers))
+        self.attention_norm = lm.LayerNorm(width, epsilon=1e-5)
+        self.attention = lm.MultiHeadAttention(
+            heads,
+            width,
+            dropout_rate=dropout,
+            broadcast_dropout=False,
+            kernel_init=weights,
+            out_kernel_init=residual,
+            decode_shape=decode_shape,
+        )
+        self.mlp_norm = lm.LayerNorm(width, epsilon=1e-5)
+        self.mlp_in = lm.Dense(width, 4 * width, kernel_init=weights)
+        self.mlp_out = lm.Dense(4 * width, width, kernel_init=residual)
+        self.dropout = lm.Dropout(dropout)
+
+    def __call__(self, x, is_training=False, decode=False):
+        h = self.attention(
+            self.attention_norm(x), causal=True, is_training=is_training, decode=decode
+        )
+        x = x + self.dropout(h, is_training)
+        h = self.mlp_out(lm.gelu(self.mlp_in(self.mlp_norm(x))))
+        return x + self.dropout(h, is_training)
+
+
+class CharTransformer(lm.Module):
+    """A decoder-only transformer over `vocab_size` characters, `block_size` of context.
+
+    ``model(ids)`` maps ``(batch, length)`` ids to ``(batch, length, vocab_size)`` logits of
+    the next character. With `decode_batch`, the attention layers hold a cache for
+    ``decode_batch`` sequences of up to `block_size` characters, and ``model(ids, decode=True,
+    start=n)`` reads the characters at positions ``n, n + 1, ...`` given the cached ones.
+    """
+
+    def __init__(
+        self,
+        vocab_size,
+        *,
+        layers=4,
+        heads=4,
+        width=128,
+        block_size=64,
+        dropout=0.0,
+        tie=True,
+        decode_batch=None,
+    ):
+        super().__init__()
+        weights = lm.initializers.normal(0.02)
+        self.token = lm.Embed(vocab_size, width, embedding_init=weights)
+        self.position = lm.Embed(block_size, width, embedding_init=weights)
+        self.dropout = lm.Dropout(dropout)
+        decode_shape = None if decode_batch is None else (decode_batch, block_size)
+        self.blocks = lm.Stack(Block(width, heads, dropout, layers, decode_shape), layers)
+        self.norm = lm.LayerNorm(width, epsilon=1e-5)
+        # Tied: the output layer is the token embedding read backwards (`Embed.attend`).
+        self.head = None if tie else lm.Dense(width, vocab_size, kernel_init=weights)
+
+    def __call__(self, ids, is_training=False, *, decode=False, start=0):
+        positions = start + jnp.arange(ids.shape[-1], dtype=jnp.int32)
+        x = self.token(ids) + self.position(positions)[None]  # ids: (batch, length)
+        x = self.dropout(x, is_training)
+        x = self.blocks(x, is_training=is_training, decode=decode)
+        x = self.norm(x)
+        return self.token.attend(x) if self.head is None else self.head(x)
+
+
+def build_model(args, vocab_size, decode_batch=None) -> CharTransformer:
+    return CharTransformer(
+        vocab_size,
+        layers=args.layers,
+        heads=args.heads,
+        width=args.width,
+        block_size=args.block_size,
+        dropout=args.dropout,
+        tie=args.tie,
+        decode_batch=decode_batch,
+    )
+
+
+# --- data -------------------------------------------------------------------------------
+
+
+@dataclass
+class Text:
+    """A text as character ids: the vocabulary, the training part and the validation part."""
+
+    name: str
+    chars: str  # the vocabulary, sorted: id i is chars[i]
+    train: np.ndarray  # int32 ids, the first 90%
+    val: np.ndarray  # the last 10%
+
+    def encode(self, text: str) -> np.ndarray:
+        index = {c: i for i, c in enumerate(self.chars)}
+        return np.array([index[c] for c in text], dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+
+class TextTooShortError(ValueError):
+    """The text has no room for one validation window."""
+
+
+def stdlib_text(limit: int = STDLIB_CHARACTERS) -> tuple[str, str]:
+    """Python's own source: the standard library's top-level ``*.py`` files, sorted by name,
+    whole files until `limit` characters are reached. Returns ``(name, text)``."""
+    folder = Path(sysconfig.get_paths()["stdlib"])
+    parts, size, files = [], 0, []
+    for path in sorted(folder.glob("*.py")):
+        source = path.read_text(encoding="utf-8", errors="replace")
+        parts.append(source)
+        files.append(path.name)
+        size += len(source)
+        if size >= limit:
+            break
+    if not parts:
+        raise FileNotFoundError(f"no *.py files in the standard library folder {folder}")
+    name = (
+        f"Python {sysconfig.get_python_version()}'s standard library, {len(files)} files "
+        f"{files[0]} to {files[-1]} from {folder}"
+    )
+    return name, "".join(parts)
+
+
+def load_text(args) -> Text:
+    """The text --data names (or the standard library's source); prints what it is."""
+    if args.data:
+        path = Path(args.data)
+        if not path.is_file():
+            raise FileNotFoundError(f"no text file at {path.resolve()} (--data)")
+        text = path.read_text(encoding="utf-8")
+        name = path.name
+        print(f"data: {path.resolve()}")
+    else:
+        name, text = stdlib_text()
+        print(f"data: {name} (no --data given)")
+    chars = "".join(sorted(set(text)))
+    split = int(0.9 * len(text))
+    if len(text) - split <= args.block_size + 1:  # the smaller part: validation
+        raise TextTooShortError(
+            f"{name}: {len(text):,} characters leave {len(text) - split:,} for validation, too "
+            f"few for one window of --block-size {args.block_size} plus the next character; "
+            f"use a longer text or a smaller --block-size."
+        )
+    data = Text(name, chars, np.empty(0, np.int32), np.empty(0, np.int32))
+    ids = data.encode(text)
+    data.train, data.val = ids[:split], ids[split:]
+    print(
+        f"{len(text):,} characters, {len(chars)} distinct: {len(data.train):,} to train on, "
+        f"{len(data.val):,} to validate"
+    )
+    return data
+
+
+def windows(ids, starts, block_size):
+    """``(inputs, targets)``: for each start, `block_size` ids and the same shifted by one."""
+    chunk = ids[starts[:, None] + jnp.arange(block_size + 1)[None, :]]
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+# --- training ---------------------------------------------------------------------------
+
+
+def cross_entropy(logits, targets):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def make_optimizer(args, model, params):
+    """nanoGPT's AdamW: warmup, cosine decay to lr / 10, betas (0.9, 0.99), weight decay 0.1
+    on the matrices (kernels and embeddings) only, gradients clipped to global norm 1."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=args.lr,
+        warmup_steps=min(args.warmup_iters, args.iters),
+        decay_steps=max(args.iters, args.warmup_iters + 1),
+        end_value=args.lr / 10,
+    )
+    matrices = lm.Any(lm.PathContains("kernel"), lm.PathContains("embedding"))
+    decay = lm.mask(model, {"params": params}, matrices)["params"]
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=0.1, mask=decay),
+    )
+    return optimizer, schedule
+
+
+def make_steps(apply, optimizer, train_ids, args):
+    """The jitted training step (it draws its own batch on the device) and evaluation."""
+    batch_size, block_size = args.batch_size, args.block_size
+    last_start = len(train_ids) - block_size - 1
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, key, step):
+        batch_key, dropout_key = jax.random.split(jax.random.fold_in(key, step))
+        starts = jax.random.randint(batch_key, (batch_size,), 0, last_start + 1)
+        inputs, targets = windows(train_ids, starts, block_size)
+
+        def loss_fn(params):
+            logits, _ = apply({"params": params}, {"dropout": dropout_key}, inputs, True)
+            return cross_entropy(logits, targets)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    @jax.jit
+    def evaluate(params, inputs, targets):
+        logits, _ = apply({"params": params}, None, inputs, False)
+        return cross_entropy(logits, targets)
+
+    return train_step, evaluate
+
+
+def validation_windows(data: Text, args):
+    """The fixed validation windows: `eval_batches` batches' worth, evenly spaced."""
+    count = args.eval_batches * args.batch_size
+    starts = np.linspace(0, len(data.val) - args.block_size - 1, count).astype(np.int64)
+    chunk = data.val[starts[:, None] + np.arange(args.block_size + 1)]
+    return jax.device_put((chunk[:, :-1], chunk[:, 1:]))
+
+
+def train(args, data: Text) -> dict:
+    """Trains on `data`, evaluating every --eval-interval iterations, then samples."""
+    model = build_model(args, len(data.chars))
+    if not args.quiet:
+        print(lm.summary(model))
+    init, apply = lm.transform(model)
+    shapes = jax.eval_shape(lambda: init(jax.random.key(0))["params"])
+    num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+    print(
+        f"model: {args.layers} layers, {args.heads} heads, width {args.width}, context "
+        f"{args.block_size}, {'tied' if args.tie else 'untied'} output layer, "
+        f"{num_params:,} parameters"
+    )
+    optimizer, _ = make_optimizer(args, model, shapes)
+
+    # One program for the keys, the weights and Adam's moments, run once: XLA's optimisations
+    # would take longer to compile it (seconds, for threefry's many rounds) than they save.
+    @functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
+    def setup(seed):
+        init_key, train_key, sample_key = jax.random.split(jax.random.key(seed), 3)
+        params = init(init_key)["params"]
+        return params, optimizer.init(params), train_key, sample_key
+
+    params, opt_state, train_key, sample_key = setup(args.seed)
+    train_step, evaluate = make_steps(apply, optimizer, jax.device_put(data.train), args)
+    val_inputs, val_targets = validation_windows(data, args)
+
+    eval_steps = sorted({*range(0, args.iters, args.eval_interval), args.iters})
+    history, losses = [], []
+    eval_seconds = first_step_seconds = 0.0
+    bar = tqdm(total=args.iters, unit="it", disable=args.quiet, leave=False, mininterval=0.5)
+    start = time.perf_counter()
+    for step in range(args.iters + 1):
+        if step in eval_steps:
+            jax.block_until_ready(params)  # the steps before it count as training time
+            tick = time.perf_counter()
+            val_loss = float(evaluate(params, val_inputs, val_targets))
+            eval_seconds += time.perf_counter() - tick
+            recent = losses[-args.eval_interval :]
+            train_loss = float(np.mean(jax.device_get(recent))) if recent else None
+            history.append({"step": step, "train_loss": train_loss, "val_loss": val_loss})
+            shown = "-" if train_loss is None else f"{train_loss:.4f}"
+            message = f"step {step:5d}  train loss {shown}  val loss {val_loss:.4f}"
+            (print if args.quiet else tqdm.write)(message)
+        if step == args.iters:
+            break
+        tick = time.perf_counter()
+        params, opt_state, loss = train_step(params, opt_state, train_key, step)
+        losses.append(loss)
+        if step == 0:  # the step that compiles
+            jax.block_until_ready(loss)
+            first_step_seconds = time.perf_counter() - tick
+        if (step + 1) % args.log_interval == 0 or step + 1 == args.iters:
+            recent = np.mean(jax.device_get(losses[-args.log_interval :]))
+            bar.set_postfix(loss=f"{recent:.4f}")  # one wait per interval, not per step
+            bar.update(step + 1 - bar.n)
+    bar.close()
+    loop_seconds = time.perf_counter() - start
+    steady_seconds = loop_seconds - eval_seconds - first_step_seconds
+    ms_per_iter = 1000 * steady_seconds / max(args.iters - 1, 1)
+
+    tick = time.perf_counter()
+    text = sample(args, data, params, sample_key, args.sample_chars, args.temperature)
+    sample_seconds = time.perf_counter() - tick
+    train_curve = np.asarray(jax.device_get(losses), dtype=np.float32)
+    return {
+        "data": data.name,
+        "vocab_size": len(data.chars),
+        "train_characters": len(data.train),
+        "val_characters": len(data.val),
+        "parameters": num_params,
+        "history": history,
+        "train_loss_per_iter": train_curve,
+        "val_loss": history[-1]["val_loss"],
+        "seconds": {
+            "loop": loop_seconds,
+            "first_step_with_compilation": first_step_seconds,
+            "training_steps_after_the_first": steady_seconds,
+            "evaluation_with_compilation": eval_seconds,
+            "sampling_with_compilation": sample_seconds,
+        },
+        "ms_per_iter": ms_per_iter,
+        "sample": text,
+    }
+
+
+# --- sampling ---------------------------------------------------------------------------
+
+
+def sample(args, data, params, key, num_chars, temperature, *, use_cache=True, prompt=None):
+    """Writes `num_chars` characters after `prompt` (default: a newline, as nanoGPT starts).
+
+    With the cache (incremental decoding), each step reads only the new character: the
+    attention layers append its keys and values to their `Cache` and attend to the cached
+    ones. The context is at most `block_size` characters (the learned positions end there):
+    when it is full, it moves on to its last half, and the cache starts again from those
+    characters, read in one step. ``use_cache=False`` computes the same thing without a
+    cache, running the whole context through the model for every character; with
+    ``temperature=0`` (greedy decoding) both write the same characters.
+    """
+    if prompt is None:
+        prompt = "\n" if "\n" in data.chars else data.chars[0]
+    block_size = args.block_size
+    keep = max(block_size // 2, 1)  # the context kept when the window moves on
+    tokens = [int(i) for i in data.encode(prompt)][-block_size:]
+
+    def pick(logits, i):
+        if temperature == 0:
+            return jnp.argmax(logits)
+        return jax.random.categorical(jax.random.fold_in(key, i), logits / temperature)
+
+    if use_cache:
+        init, apply = lm.transform(build_model(args, len(data.chars), decode_batch=1))
+        shapes = jax.eval_shape(lambda: init(jax.random.key(0))["cache"])
+        empty = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)  # index 0
+
+        @jax.jit
+        def next_token(params, cache, ids, start, i):
+            """Reads the characters after the cached ones; picks the next one."""
+            variables = {"params": params, "cache": cache}
+            logits, new = apply(variables, None, ids, decode=True, start=start)
+            return pick(logits[0, -1], i), new["cache"]
+    else:
+        apply = lm.transform(build_model(args, len(data.chars))).apply
+        empty = None
+
+        @jax.jit
+        def next_token(params, cache, ids, length, i):
+            """Reads the whole context (padded, so one program serves all lengths)."""
+            logits, _ = apply({"params": params}, None, ids)
+            return pick(logits[0, length - 1], i), None
+
+    window = 0  # the context is tokens[window:]
+    cache, cached = empty, 0  # with the cache: it holds the context's first `cached`
+    for i in range(num_chars):
+        if use_cache:
+            ids = jnp.asarray([tokens[window + cached :]], dtype=jnp.int32)
+            token, cache = next_token(params, cache, ids, cached, i)
+            cached = len(tokens) - window
+        else:
+            context = tokens[window:]
+            ids = jnp.asarray([context + [0] * (block_size - len(context))], dtype=jnp.int32)
+            token, _ = next_token(params, None, ids, len(context), i)
+        tokens.append(int(token))
+        if len(tokens) - window > block_size:  # full: move on, and restart the cache
+            window = len(tokens) - keep
+            cache, cached = empty, 0
+    return data.decode(tokens[-num_chars:] if num_chars else [])
+
+
+# --- the command line -------------------------------------------------------------------
+
+
+def save(results: dict, args) -> dict:
+    history = results["history"]
+    losses = results["train_loss_per_iter"]
+    steps = np.arange(1, len(losses) + 1)
+    evals = [row["step"] for row in history]
+    panels = {
+        "loss": {
+            "train (each iteration)": (steps, losses),
+            "validation": (evals, [row["val_loss"] for row in history]),
+        }
+    }
+    folder = _common.run_folder(args, "char_transformer")
+    return _common.save_run(folder, results, args, panels, "iteration")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--data",
+        metavar="PATH",
+        help="a UTF-8 text file; the first 90%% trains, the last 10%% validates (default: the "
+        "standard library's source, about 1 MB of it)",
+    )
+    add = parser.add_argument
+    add("--layers", type=int, default=4, help="transformer blocks (default: %(default)s)")
+    add("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
+    add("--width", type=int, default=128, help="embedding size (default: %(default)s)")
+    add("--block-size", type=int, default=64, help="context, in characters (default: %(default)s)")
+    add("--batch-size", type=int, default=12, help="(default: %(default)s)")
+    add("--iters", type=int, default=2000, help="training iterations (default: %(default)s)")
+    add("--lr", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
+    add(
+        "--warmup-iters",
+        type=int,
+        default=100,
+        help="linear warmup, then cosine decay to lr / 10 (default: %(default)s)",
+    )
+    add("--dropout", type=float, default=0.0, help="(default: %(default)s)")
+    add(
+        "--tie",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="output layer tied to the token embedding (default: tied, as nanoGPT)",
+    )
+    add(
+        "--eval-interval",
+        type=int,
+        default=250,
+        help="iterations between evaluations (default: %(default)s)",
+    )
+    add(
+        "--eval-batches",
+        type=int,
+        default=20,
+        help="validation batches, the same windows every time (default: %(default)s)",
+    )
+    add(
+        "--log-interval",
+        type=int,
+        default=25,
+        help="iterations between progress-bar updates (default: %(default)s)",
+    )
+    add("--sample-chars", type=int, default=500, help="characters to write at the end")
+    add(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature; 0 is greedy (default: %(default)s)",
+    )
+    add("--seed", type=int, default=1337, help="(default: %(default)s, nanoGPT's)")
+    _common.add_output_argument(parser, "char_transformer")
+    add("--quiet", action="store_true", help="no progress bar or model summary")
+    args = parser.parse_args(argv)
+    for name in ("layers", "heads", "width", "block_size", "batch_size", "iters"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("eval_interval", "eval_batches", "log_interval"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.width % args.heads:
+        parser.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
+    if not 0.0 <= args.dropout < 1.0:
+        parser.error("--dropout must be in [0, 1)")
+    if args.sample_chars < 0 or args.temperature < 0:
+        parser.error("--sample-chars and --temperature must not be negative")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    keep_freed_memory()
+    try:
+        data = load_text(args)
+    except (OSError, UnicodeDecodeError, TextTooShortError) as error:
+        raise SystemExit(f"error: {error}") from None
+    results = train(args, data)
+    seconds = results["seconds"]
+    print(f"\nsample ({args.sample_chars} characters, temperature {args.temperature}):")
+    print(results["sample"])
+    print(
+        f"\n{args.iters} iterations in {seconds['loop']:.1f} s: "
+        f"{results['ms_per_iter']:.1f} ms per iteration after the first (which compiled: "
+        f"{seconds['first_step_with_compilation']:.1f} s), "
+        f"{seconds['evaluation_with_compilation']:.1f} s evaluating; "
+        f"sampling {seconds['sampling_with_compilation']:.1f} s"
+    )
+    results["files"] = save(results, args)
+    print(f"val loss: {results['val_loss']:.4f}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

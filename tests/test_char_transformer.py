@@ -1,0 +1,105 @@
+"""examples/char_transformer.py: cached decoding against recomputation, and a run end to end."""
+
+import importlib
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import lamina as lm
+
+from .test_examples import EXAMPLES, check_saved, run_example
+
+TEXT = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
+    "All:\nSpeak, speak.\n\nFirst Citizen:\nYou are all resolved rather to die than to "
+    "famish?\n\n"
+) * 40
+
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0}  # for programs that run once
+
+
+@pytest.fixture
+def example(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # it imports _common
+    return importlib.import_module("char_transformer")
+
+
+def tiny_args(example, *extra):
+    return example.parse_args(
+        ["--layers", "2", "--heads", "2", "--width", "16", "--block-size", "8", *extra]
+    )
+
+
+def test_cached_decoding_writes_what_full_recomputation_writes(example):
+    args = tiny_args(example)
+    chars = "".join(sorted(set(TEXT)))
+    data = example.Text("tiny", chars, np.zeros(0, np.int32), np.zeros(0, np.int32))
+    init = lm.transform(example.build_model(args, len(chars))).init
+    params = jax.jit(init, compiler_options=FAST_COMPILE)(jax.random.key(0))["params"]
+    # Untrained weights (std 0.02) predict the same character everywhere; large random
+    # weights make greedy decoding depend on the whole context, so a wrong cache shows.
+    noise = np.random.default_rng(2)
+    params = jax.tree.map(
+        lambda x: np.asarray(x) + noise.normal(size=x.shape).astype(x.dtype), params
+    )
+    key = jax.random.key(2)
+    # 30 characters, context 8: the window moves on to its last 4 characters 6 times (a
+    # prompt of 4 characters: the cached decoding compiles two programs, not three)
+    cached = example.sample(args, data, params, key, 30, 0.0, prompt="Spea")
+    recomputed = example.sample(args, data, params, key, 30, 0.0, prompt="Spea", use_cache=False)
+    assert len(cached) == 30 and len(set(cached)) >= 3
+    assert cached == recomputed
+
+
+@pytest.mark.slow
+def test_example_end_to_end(monkeypatch, capsys, tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    out_dir = tmp_path / "run"
+    argv = [
+        *("--data", str(path), "--layers", "2", "--heads", "2", "--width", "32"),
+        *("--block-size", "16", "--batch-size", "8", "--iters", "60", "--eval-interval", "20"),
+        *("--eval-batches", "2", "--sample-chars", "40", "--quiet", "--out", str(out_dir)),
+    ]
+    results = run_example("char_transformer.py", argv, monkeypatch)
+    out = capsys.readouterr().out
+    lines = out.rstrip("\n").split("\n")
+    assert re.fullmatch(r"val loss: \d+\.\d{4}", lines[-1])
+    assert lines[-1] == f"val loss: {results['val_loss']:.4f}"
+    assert f"data: {path.resolve()}" in out
+    assert f"{len(TEXT):,} characters, {len(set(TEXT))} distinct" in out
+    assert [row["step"] for row in results["history"]] == [0, 20, 40, 60]
+    history = results["history"]
+    assert history[-1]["val_loss"] < history[0]["val_loss"] - 0.5  # it learns
+    assert len(results["sample"]) == 40 and set(results["sample"]) <= set(TEXT)
+    saved = check_saved(results, out_dir, out)
+    assert saved["val_loss"] == results["val_loss"] and saved["args"]["layers"] == 2
+    assert len(saved["train_loss_per_iter"]) == 60
+
+
+def test_example_defaults_to_python_source(example, capsys):
+    name, text = example.stdlib_text()
+    assert name == example.stdlib_text()[0]  # the same files every time
+    assert "standard library" in name and 1_000_000 <= len(text) < 3_000_000
+    args = example.parse_args([])
+    assert (args.layers, args.heads, args.width, args.block_size) == (4, 4, 128, 64)
+    assert (args.batch_size, args.iters, args.lr, args.dropout) == (12, 2000, 1e-3, 0.0)
+    assert args.tie
+    data = example.load_text(args)
+    assert f"data: {name} (no --data given)" in capsys.readouterr().out
+    assert len(data.train) == int(0.9 * len(text))
+    assert data.decode(data.val) == text[len(data.train) :]
+
+
+def test_example_bad_arguments(monkeypatch, tmp_path):
+    with pytest.raises(SystemExit, match=r"error: no text file at .*missing\.txt \(--data\)"):
+        run_example("char_transformer.py", ["--data", str(tmp_path / "missing.txt")], monkeypatch)
+    short = tmp_path / "short.txt"
+    short.write_text("too short", encoding="utf-8")
+    with pytest.raises(SystemExit, match=r"error: short\.txt: 9 characters leave 1"):
+        run_example("char_transformer.py", ["--data", str(short)], monkeypatch)
+    with pytest.raises(SystemExit):
+        run_example("char_transformer.py", ["--width", "30", "--heads", "4"], monkeypatch)
