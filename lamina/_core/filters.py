@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import builtins
 import dataclasses
 import inspect
@@ -312,11 +313,12 @@ class PathContains:
         return builtins.any(shown[i : i + n] == parts for i in range(len(shown) - n + 1))
 
 
-class _Combinator:
+class _Combinator(abc.ABC):
     """Filters built from other filters; resolving them resolves their parts."""
 
+    @abc.abstractmethod
     def _resolve(self, plan: Plan) -> Predicate:
-        raise NotImplementedError
+        """The same filter with its module-class parts resolved against `plan`."""
 
 
 @dataclasses.dataclass(frozen=True, init=False, repr=False)

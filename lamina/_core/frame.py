@@ -117,14 +117,16 @@ class Frame:
     def __exit__(self, *exc_info: object) -> None:
         _LOCAL.frame = self.parent
 
-    def check_trace(self, what: str, remedy: str) -> None:
+    def check_trace(self, what: str | Callable[[], str], remedy: str) -> None:
         """Raises `TraceContextError` if a raw JAX transform started since the frame opened.
 
         Args:
-            what: What was attempted, for the message (``"next_rng_key('dropout')"``).
+            what: What was attempted, for the message (``"next_rng_key('dropout')"``), or a
+                function that says it (called only when the check fails).
             remedy: What to do instead.
         """
         if get_opaque_trace_state() != self.trace:
+            what = what() if callable(what) else what
             raise TraceContextError(
                 f"{what} inside a JAX transform (jax.vmap, jax.lax.scan, jax.jit, "
                 f"jax.checkpoint, jax.lax.cond, ...) that started inside this {self.phase} "
@@ -155,47 +157,48 @@ class Frame:
         return frame_for
 
     def write(self, state: State, value: Any) -> None:
-        """Stores a new value for `state`, checking that it may be written and fits."""
-        where = where_is(state)
-        kind = type(state).__name__
-        if self.writable is not None and state._lamina_slot not in self.writable:
+        """Stores a new value for `state`, checking that it may be written and fits.
+
+        The checks compare a few attributes; messages (and the variable's path in them) are
+        only built when a check fails, since writes run on every call.
+        """
+        slot: Any = state._lamina_slot
+        if self.writable is not None and slot not in self.writable:
             raise TraceContextError(
-                f"{kind} at {where} was written inside {self.inside}, but its module is not "
-                f"an argument of the transformed function: a module captured by closure can "
-                f"be read inside a lifted transform, not written. Pass the module as an "
-                f"argument."
+                f"{_named(state)} was written inside {self.inside}, but its module is not an "
+                f"argument of the transformed function: a module captured by closure can be "
+                f"read inside a lifted transform, not written. Pass the module as an argument."
             )
         if self.inside is not None and self.writable is None:
             raise TraceContextError(
-                f"{kind} at {where} was written inside {self.inside}, which runs it under a "
-                f"JAX transform: the written value would not be carried out of it. Keep state "
+                f"{_named(state)} was written inside {self.inside}, which runs it under a JAX "
+                f"transform: the written value would not be carried out of it. Keep state "
                 f"updates outside, or return the new value and write it afterwards."
             )
         if not state.mutable:
             raise ImmutableVariableError(
-                f"{kind} at {where} is immutable and cannot be written inside {self.phase}. "
+                f"{_named(state)} is immutable and cannot be written inside {self.phase}. "
                 f"Parameters change through the optimiser (new variables for the next call); "
                 f"for state that a call updates, declare lm.State({state.collection!r}, shape, "
                 f"init, mutable=True)."
             )
         self.check_trace(
-            f"{kind} at {where} was written",
+            lambda: f"{_named(state)} was written",
             "The written value would be a tracer of that transform and leak out of it. Return "
             "the new value from the transformed function and write it after the transform.",
         )
-        value = _as_value(value, state, where)
-        slot: Any = state._lamina_slot
+        value = _as_value(value, state)
         expected = self.shapes[slot]
         if tuple(value.shape) != expected:
             raise ValueError(
-                f"cannot write a value of shape {tuple(value.shape)} to {kind} at {where}, "
+                f"cannot write a value of shape {tuple(value.shape)} to {_named(state)}, "
                 f"declared with shape {expected}."
             )
         target = state.param_dtype
         if value.dtype != target:
             if not _castable(value.dtype, target):
                 raise TypeError(
-                    f"cannot write a {value.dtype} value to {kind} at {where}, stored as "
+                    f"cannot write a {value.dtype} value to {_named(state)}, stored as "
                     f"{target}: the cast would lose information (a float to an int drops the "
                     f"fraction, a complex to a real drops the imaginary part). Convert it "
                     f"explicitly (jnp.round(x).astype({target})) or declare the variable "
@@ -205,15 +208,19 @@ class Frame:
         self.values[slot] = value
 
 
-def _as_value(value: Any, state: State, where: str) -> Any:
+def _named(state: State) -> str:
+    return f"{type(state).__name__} at {where_is(state)}"
+
+
+def _as_value(value: Any, state: State) -> Any:
     if hasattr(value, "shape") and hasattr(value, "dtype") and not _is_declaration(value):
         return value
     try:
         return jnp.asarray(value)
     except Exception as error:
         raise TypeError(
-            f"cannot write {type(value).__name__} {value!r:.60} to {type(state).__name__} at "
-            f"{where}: expected an array or a number."
+            f"cannot write {type(value).__name__} {value!r:.60} to {_named(state)}: expected "
+            f"an array or a number."
         ) from error
 
 

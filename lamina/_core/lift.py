@@ -18,6 +18,7 @@ folded with the index by the loops), so dropout masks differ per member or per l
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import functools
@@ -536,7 +537,7 @@ def _store(binding: _Binding, new_values: Mapping[int, Any]) -> None:
 # --- the transforms --------------------------------------------------------------------------
 
 
-class _Lifted:
+class _Lifted(abc.ABC):
     """A lifted function; calling it inside a model's method runs the transform."""
 
     kind = ""
@@ -547,8 +548,9 @@ class _Lifted:
         self.fn = fn
         functools.update_wrapper(self, fn)
 
+    @abc.abstractmethod
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
+        """Runs the transform (each kind implements it)."""
 
     def __repr__(self) -> str:
         return f"<lamina {self.kind} of {getattr(self.fn, '__name__', type(self.fn).__name__)}>"

@@ -250,7 +250,7 @@ def next_rng_key(
             "argument of a running call. Call it inside the model's methods."
         )
     frame.check_trace(
-        f"next_rng_key({'' if name is None else repr(name)}) was called",
+        lambda: f"next_rng_key({'' if name is None else repr(name)}) was called",
         "The transform traces its function once, so every iteration (every vmapped member, "
         "every scan step) would get the same key. Draw the keys before the transform and "
         "pass them in: `keys = lm.next_rng_key(name, num=n)`, then "
