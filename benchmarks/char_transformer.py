@@ -17,14 +17,16 @@ Defaults are nanoGPT's CPU settings (4 layers, 4 heads, width 128, context 64, b
 
     python benchmarks/char_transformer.py              # 2 to 4 minutes on 2 busy cores
     python benchmarks/char_transformer.py --quick      # fewer steps, about 2 minutes
-    python benchmarks/char_transformer.py --unrolled --hlo   # where a scan's time goes
+    python benchmarks/char_transformer.py --scans --hlo   # where a scan's time goes
     python benchmarks/char_transformer.py --layers 8 --width 256
 
 The batch comes from ``--data`` (default: ../shared/data/tinyshakespeare.txt when it is
 there, else the example's default text, Python's own source). The ratios printed are each
-contestant's median over the best peer's (the fastest Linen or NNX row). ``--unrolled``
-adds lamina's Stack and Linen's `nn.scan` with the scan unrolled in full, which tells the
-cost of the loop (a scan against straight-line code) from the library's; ``--hlo`` prints
+contestant's median over the best peer's (the fastest Linen or NNX row). The example's
+Stack is unrolled in full (straight-line code, the fastest on a CPU for 4 blocks), so its
+peers are Linen's `nn.scan` unrolled in full and the lists. ``--scans`` adds lamina's Stack
+and Linen's and NNX's scans run as loops, which tells the cost of the loop (a scan against
+straight-line code) from the library's; ``--hlo`` prints
 each step's lowered program size. Other processes on the machine add noise: the load
 average is printed with the figures.
 """
@@ -83,24 +85,24 @@ class BlockList(lm.Module):
         return x
 
 
-class UnrolledStack(lm.Stack):
-    """`lm.Stack` whose scan is unrolled (``lm.scan(..., unroll=n)``): a diagnostic row."""
+class LoopStack(lm.Stack):
+    """`lm.Stack` whose scan is a loop of one block per step: a diagnostic row."""
 
     def __call__(self, x, *args, **kwargs):
         def step(block, x):
             return block(x, *args, **kwargs)
 
         with lm.split_rngs(splits=self.n):
-            run = lm.scan(step, in_axes=(0, lm.Carry), out_axes=lm.Carry, unroll=self.n)
+            run = lm.scan(step, in_axes=(0, lm.Carry), out_axes=lm.Carry, unroll=1)
             return run(self.block, x)
 
 
 def lamina_model(config, vocab_size, *, blocks=None):
-    """The example's model; `blocks` ("list", "unrolled") replaces its Stack by a twin."""
+    """The example's model; `blocks` ("list", "loop") replaces its Stack by a twin."""
     model = example.build_model(config, vocab_size)
     if blocks is not None:  # a fresh block: a Stack's template carries the stacked axis
         block = example.Block(config.width, config.heads, config.dropout, config.layers)
-        twin = BlockList if blocks == "list" else UnrolledStack
+        twin = BlockList if blocks == "list" else LoopStack
         model.blocks = twin(block, config.layers)
     return model
 
@@ -379,19 +381,19 @@ def load() -> str:
 CONTESTANTS = {
     "lamina (example, Stack)": lambda c, v, w: lamina_contestant(c, v, w),
     "lamina list": lambda c, v, w: lamina_contestant(c, v, w, blocks="list"),
-    "Linen nn.scan": lambda c, v, w: linen_contestant(c, v, w, scan=True),
-    "Linen list": lambda c, v, w: linen_contestant(c, v, w, scan=False),
-    "NNX nnx.scan": lambda c, v, w: nnx_contestant(c, v, w, scan=True),
-    "NNX list": lambda c, v, w: nnx_contestant(c, v, w, scan=False),
-}
-# --unrolled: scans unrolled in full, to tell the cost of a scan from the library's
-UNROLLED = {
-    "lamina Stack, unroll=n": lambda c, v, w: lamina_contestant(c, v, w, blocks="unrolled"),
     "Linen nn.scan, unroll=n": lambda c, v, w: linen_contestant(
         c, v, w, scan=True, unroll=c.layers
     ),
+    "Linen list": lambda c, v, w: linen_contestant(c, v, w, scan=False),
+    "NNX list": lambda c, v, w: nnx_contestant(c, v, w, scan=False),
 }
-LAMINA = ("lamina (example, Stack)", "lamina list", "lamina Stack, unroll=n")
+# --scans: the scans as loops (one block per step), to tell the cost of a loop from the library's
+UNROLLED = {
+    "lamina Stack, unroll=1": lambda c, v, w: lamina_contestant(c, v, w, blocks="loop"),
+    "Linen nn.scan": lambda c, v, w: linen_contestant(c, v, w, scan=True),
+    "NNX nnx.scan": lambda c, v, w: nnx_contestant(c, v, w, scan=True),
+}
+LAMINA = ("lamina (example, Stack)", "lamina list", "lamina Stack, unroll=1")
 
 
 def main():
@@ -433,10 +435,10 @@ def main():
         help="time only these contestants (repeatable; default: all)",
     )
     parser.add_argument(
-        "--unrolled",
+        "--scans",
         action="store_true",
-        help="also time lamina's Stack and Linen's nn.scan with the scan unrolled in full "
-        "(unroll=layers), to separate the cost of the loop from the library's",
+        help="also time lamina's Stack, Linen's nn.scan and NNX's nnx.scan as loops (one "
+        "block per step), to separate the cost of the loop from the library's",
     )
     parser.add_argument(
         "--hlo",
@@ -486,7 +488,7 @@ def main():
         f"are {stack}\njax {jax.__version__} on {jax.default_backend()}; {load()}"
     )
 
-    names = args.only or [*CONTESTANTS, *(UNROLLED if args.unrolled else ())]
+    names = args.only or [*CONTESTANTS, *(UNROLLED if args.scans else ())]
     everyone = {**CONTESTANTS, **UNROLLED}
     steps, states, losses, compile_s, programs = {}, {}, {}, {}, {}
     for name in names:

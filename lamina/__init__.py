@@ -37,6 +37,8 @@ from ._core.filters import OfType as OfType
 from ._core.filters import PathContains as PathContains
 from ._core.filters import WithTag as WithTag
 from ._core.filters import to_predicate as to_predicate
+from ._core.grad_rule import grad_rule as grad_rule
+from ._core.gradcheck import check_gradients as check_gradients
 from ._core.lift import Carry as Carry
 from ._core.lift import StateAxes as StateAxes
 from ._core.lift import checkpoint as checkpoint
@@ -49,6 +51,11 @@ from ._core.lift import switch as switch
 from ._core.lift import vmap as vmap
 from ._core.lift import while_loop as while_loop
 from ._core.module import Module as Module
+from ._core.records import Probe as Probe
+from ._core.records import capture_intermediates as capture_intermediates
+from ._core.records import perturb as perturb
+from ._core.records import probe as probe
+from ._core.records import sow as sow
 from ._core.rng import PRNGKeys as PRNGKeys
 from ._core.rng import next_rng_key as next_rng_key
 from ._core.selection import filter_variables as filter_variables

@@ -2,6 +2,8 @@
 
 import importlib
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -103,3 +105,37 @@ def test_example_bad_arguments(monkeypatch, tmp_path):
         run_example("char_transformer.py", ["--data", str(short)], monkeypatch)
     with pytest.raises(SystemExit):
         run_example("char_transformer.py", ["--width", "30", "--heads", "4"], monkeypatch)
+
+
+@pytest.mark.slow
+def test_splitting_the_batch_across_cpu_cores_gives_the_numbers_of_one_device(tmp_path):
+    """The example makes each CPU core a JAX device (a setting read when JAX starts, so each
+    run is its own process) and splits every batch across them: same losses as one device."""
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    common = [
+        *("--data", str(path), "--layers", "1", "--heads", "2", "--width", "16"),
+        *("--block-size", "8", "--batch-size", "4", "--iters", "6", "--eval-interval", "3"),
+        *("--eval-batches", "2", "--sample-chars", "0", "--quiet"),
+    ]
+    script = str(EXAMPLES / "char_transformer.py")
+    runs = {}
+    for devices in (1, 2):
+        out = str(tmp_path / f"run{devices}")
+        done = subprocess.run(
+            [sys.executable, script, *common, "--devices", str(devices), "--out", out],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert f"devices: {devices} CPU, {4 // devices} windows of the batch each" in done.stdout
+        runs[devices] = [float(x) for x in re.findall(r"val loss (\d+\.\d+)", done.stdout)]
+    assert len(runs[1]) == 3
+    np.testing.assert_allclose(runs[2], runs[1], rtol=1e-4)
+    too_many = subprocess.run(
+        [sys.executable, script, *common, "--devices", "3"],
+        capture_output=True,
+        text=True,
+    )
+    assert too_many.returncode != 0
+    assert "--devices 3 does not divide --batch-size 4" in too_many.stderr

@@ -74,6 +74,8 @@ class Frame:
         inside: For a frame nested inside a transform, what runs it (``"lm.vmap"``).
         writable: The slots a nested frame may write (a lifted transform's argument
             modules); None for every slot, or, with `inside`, for none.
+        records: What `lm.sow`/`lm.perturb` record into (`records.Records`), or None when
+            the caller asked for no such collection.
     """
 
     __slots__ = (
@@ -81,6 +83,7 @@ class Frame:
         "parent",
         "phase",
         "plan",
+        "records",
         "rngs",
         "shapes",
         "trace",
@@ -97,8 +100,10 @@ class Frame:
         shapes: list[tuple[int, ...]] | None = None,
         inside: str | None = None,
         writable: frozenset[int] | None = None,
+        records: Any = None,
     ):
         self.plan = plan
+        self.records = records
         self.values = values
         self.shapes = plan.shapes if shapes is None else shapes
         self.rngs = rngs
@@ -150,9 +155,13 @@ class Frame:
         """
         forked = self.rngs.fork()
 
+        records = None if self.records is None else self.records.nested({}, blocked=inside)
+
         def frame_for(index: Any) -> Frame:
             streams = self.rngs.for_iteration(forked, index)
-            return Frame(self.plan, self.values, streams, self.phase, self.shapes, inside)
+            return Frame(
+                self.plan, self.values, streams, self.phase, self.shapes, inside, None, records
+            )
 
         return frame_for
 

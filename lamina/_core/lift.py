@@ -415,11 +415,47 @@ def _is_slot(x: Any) -> bool:
 class _Body:
     """Runs the user's function inside a JAX transform, in a nested frame."""
 
-    def __init__(self, binding: _Binding, fn: Callable[..., Any], kwargs: dict[str, Any]):
+    def __init__(
+        self,
+        binding: _Binding,
+        fn: Callable[..., Any],
+        kwargs: dict[str, Any],
+        records: str = "blocked",
+    ):
+        """A body; `records` says how `lm.sow`/`lm.perturb` records cross the transform.
+
+        ``"mapped"`` (vmap, scan): given records of the argument modules go in with the
+        transform's axis, new ones come out with it; ``"plain"`` (checkpoint): in and out as
+        they are; ``"blocked"`` (cond, switch, loops): recording inside is an error.
+        """
         self.binding = binding
         self.fn = fn
         self.kwargs = kwargs
         self.modules_out: list[Module] = []
+        self.records_mode = records
+        self.inner_records: Any = None
+        # Given records split into those that go in with the transform's axis (`mapped`:
+        # recorded by an argument module, so they carry its axis) and those read as they are.
+        self.records_in: dict[str, dict[tuple, Any]] = {}
+        self.records_shared: dict[str, dict[tuple, Any]] = {}
+        outer = binding.frame.records
+        if outer is not None and records != "blocked":
+            paths = binding.plan.module_paths()
+            prefixes = [paths[m] for m in binding.module_spec]
+            for collection, entries in outer.given.items():
+                for key, value in entries.items():
+                    mapped = records == "mapped" and any(key[: len(p)] == p for p in prefixes)
+                    target = self.records_in if mapped else self.records_shared
+                    target.setdefault(collection, {})[key] = value
+
+    def records_out(self) -> dict[str, dict[tuple, Any]]:
+        """What the nested frame recorded (call inside the transform, after `run`)."""
+        return {} if self.inner_records is None else self.inner_records.out
+
+    def absorb_records(self, produced: Mapping[str, Mapping[tuple, Any]]) -> None:
+        """Hands what came out of the transform to the outer frame's records."""
+        if self.inner_records is not None:
+            self.binding.frame.records.absorb(self.inner_records, produced, self.binding.name)
 
     def shapes_inside(self, slot_axes: Mapping[int, Any]) -> list[tuple[int, ...]]:
         shapes = list(self.binding.frame.shapes)
@@ -438,8 +474,12 @@ class _Body:
         shapes: list[tuple[int, ...]],
         fn: Callable[..., Any] | None = None,
         extra: tuple = (),
+        records_in: Mapping[str, Mapping[tuple, Any]] | None = None,
     ) -> tuple[Any, dict[int, Any]]:
         """Calls the function in a nested frame.
+
+        `records_in` are the mapped given records (`records_in` of `__init__`), as the
+        transform hands them to one iteration.
 
         Returns:
             Its output, with modules replaced by `_ModuleSlot` nodes, and the values of the
@@ -450,6 +490,14 @@ class _Body:
         values = list(outer.values)
         for slot, value in slot_values.items():
             values[slot] = value
+        records = None
+        if outer.records is not None:
+            given = {c: dict(e) for c, e in self.records_shared.items()}
+            for collection, entries in (records_in or {}).items():
+                given.setdefault(collection, {}).update(entries)
+            blocked = binding.name if self.records_mode == "blocked" else None
+            records = outer.records.nested(given, blocked)
+            self.inner_records = records
         frame = Frame(
             outer.plan,
             values,
@@ -458,6 +506,7 @@ class _Body:
             shapes,
             inside=binding.name,
             writable=frozenset(binding.slots),
+            records=records,
         )
         it = iter(arrays)
         leaves = [leaf if isinstance(leaf, Module) else next(it) for leaf in binding.leaves]
@@ -590,24 +639,29 @@ class _Vmap(_Lifted):
                 f"{name}: nothing is mapped (every in_axes is None), so the axis size is "
                 f"unknown: pass axis_size=n."
             )
-        body = _Body(binding, self.fn, kwargs)
+        body = _Body(binding, self.fn, kwargs, records="mapped")
         shapes = body.shapes_inside(slot_axes)
         mutable = binding.mutable_slots()
         state_out = {s: slot_axes[s] for s in mutable}
         key_axes = {s: 0 if s in binding.split else None for s in binding.forked}
 
-        def run(arrays: list, slot_values: dict, keys: dict) -> Any:
-            out, new = body.run(arrays, slot_values, keys, shapes)
-            return out, {s: new[s] for s in mutable}
+        def run(arrays: list, slot_values: dict, keys: dict, records_in: dict) -> Any:
+            out, new = body.run(arrays, slot_values, keys, shapes, records_in=records_in)
+            return out, {s: new[s] for s in mutable}, body.records_out()
 
         try:
-            out, new = jax.vmap(
+            out, new, records = jax.vmap(
                 run,
-                in_axes=(array_axes, slot_axes, key_axes),
-                out_axes=(_jax_axes(self.out_axes), state_out),
+                in_axes=(array_axes, slot_axes, key_axes, 0),
+                out_axes=(_jax_axes(self.out_axes), state_out, 0),
                 axis_size=size,
                 axis_name=self.axis_name,
-            )(arrays, {s: binding.frame.values[s] for s in binding.slots}, binding.forked)
+            )(
+                arrays,
+                {s: binding.frame.values[s] for s in binding.slots},
+                binding.forked,
+                body.records_in,
+            )
         except ValueError as error:
             broadcast = [binding.plan.variables[s].name for s in mutable if state_out[s] is None]
             if broadcast and "out_axes" in str(error):
@@ -620,6 +674,7 @@ class _Vmap(_Lifted):
             raise
         body.check_module_specs(out, self.out_axes)
         _store(binding, new)
+        body.absorb_records(records)
         return body.restore(out)
 
 
@@ -656,7 +711,7 @@ class _Scan(_Lifted):
         bcast_slots = [s for s in binding.slots if binding.slot_axis[s] is None]
         mutable = set(binding.mutable_slots())
         xs_written = [s for s in xs_slots if s in mutable]
-        body = _Body(binding, self.fn, kwargs)
+        body = _Body(binding, self.fn, kwargs, records="mapped")
         shapes = body.shapes_inside({s: 0 for s in xs_slots})
         values = binding.frame.values
         split_keys = {s: k for s, k in binding.forked.items() if s in binding.split}
@@ -665,7 +720,7 @@ class _Scan(_Lifted):
 
         def step(carry: Any, xs: Any) -> Any:
             carry_arrays, carry_values = carry
-            xs_arrays, xs_values, keys = xs
+            xs_arrays, xs_values, keys, records_in = xs
             merged = list(arrays)
             for i, a in zip(carried, carry_arrays, strict=True):
                 merged[i] = a
@@ -674,7 +729,9 @@ class _Scan(_Lifted):
             slot_values = {s: values[s] for s in bcast_slots}
             slot_values.update(zip(carry_slots, carry_values, strict=True))
             slot_values.update(zip(xs_slots, xs_values, strict=True))
-            out, new = body.run(merged, slot_values, {**bcast_keys, **keys}, shapes)
+            out, new = body.run(
+                merged, slot_values, {**bcast_keys, **keys}, shapes, records_in=records_in
+            )
             for s in bcast_slots:
                 if s in mutable and new[s] is not values[s]:
                     raise ValueError(
@@ -701,11 +758,17 @@ class _Scan(_Lifted):
                     f"lm.Carry) but returns {len(new_carry)} (out_axes lm.Carry); the carry "
                     f"goes in and comes out with the same structure."
                 )
-            return (new_carry, [new[s] for s in carry_slots]), (ys, [new[s] for s in xs_written])
+            stacked = (ys, [new[s] for s in xs_written], body.records_out())
+            return (new_carry, [new[s] for s in carry_slots]), stacked
 
         init = ([arrays[i] for i in carried], [values[s] for s in carry_slots])
-        xs = ([arrays[i] for i in scanned], [values[s] for s in xs_slots], split_keys)
-        (carry_arrays, carry_values), (ys, xs_values) = jax.lax.scan(
+        xs = (
+            [arrays[i] for i in scanned],
+            [values[s] for s in xs_slots],
+            split_keys,
+            body.records_in,
+        )
+        (carry_arrays, carry_values), (ys, xs_values, records) = jax.lax.scan(
             step, init, xs, length=self.length, reverse=self.reverse, unroll=self.unroll
         )
         carry_it, ys_it = iter(carry_arrays), iter(ys)
@@ -714,6 +777,7 @@ class _Scan(_Lifted):
         body.check_module_specs(out, self.out_axes)
         _store(binding, dict(zip(carry_slots, carry_values, strict=True)))
         _store(binding, dict(zip(xs_written, xs_values, strict=True)))
+        body.absorb_records(records)
         return body.restore(out)
 
 
@@ -765,16 +829,19 @@ def _run_plain(
 ) -> tuple[Any, dict[int, Any]]:
     """Runs `fn` under a transform that maps nothing (checkpoint): all state passes through."""
     arrays, _ = _array_leaves(binding)
-    body = body or _Body(binding, fn, {})
+    body = body or _Body(binding, fn, {}, records="plain")
     shapes = list(binding.frame.shapes)
     mutable = binding.mutable_slots()
 
     def run(arrays: list, slot_values: dict, keys: dict) -> Any:
         out, new = body.run(arrays, slot_values, keys, shapes)
-        return out, {s: new[s] for s in mutable}
+        return out, {s: new[s] for s in mutable}, body.records_out()
 
     values = binding.frame.values
-    out, new = transform(run)(arrays, {s: values[s] for s in binding.slots}, binding.forked)
+    out, new, records = transform(run)(
+        arrays, {s: values[s] for s in binding.slots}, binding.forked
+    )
+    body.absorb_records(records)
     return body.restore(out), new
 
 

@@ -9,6 +9,7 @@ from .errors import FrozenModuleError, format_path
 from .frame import current_frame
 
 _MISSING = object()
+CALL_CODES: set[Any] = set()  # the code of every Module subclass's own __call__
 
 
 class Module:
@@ -40,6 +41,14 @@ class Module:
 
     def __init__(self) -> None:
         pass
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        call = cls.__dict__.get("__call__")
+        if call is not None and hasattr(call, "__code__"):
+            # lm.capture_intermediates recognises module calls by their code (no wrapper:
+            # calling a module costs nothing more when nothing is captured).
+            CALL_CODES.add(call.__code__)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self._lamina_path is not None and current_frame() is not None:

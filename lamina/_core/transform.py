@@ -22,6 +22,7 @@ from .frame import Frame, PendingValues
 from .graph import Plan, VariableEntry, deep_recursion
 from .layout import bind_variables, check_variables, flatten_variables
 from .module import Module
+from .records import CAPTURE, Records, finish, split_requests
 from .rng import RngStreams, check_rngs
 from .types import Variables
 
@@ -198,8 +199,10 @@ _take = jax.jit(lambda stacked, i: stacked[i])
 
 def _make_apply(plan: Plan, fn: Callable[..., Any] | None) -> Callable[..., Any]:
     treedef = plan.treedef
+    declared = frozenset(entry.collection for entry in plan.variables)
 
     def apply(variables: Variables, rngs: Any = None, /, *args: Any, **kwargs: Any) -> Any:
+        variables, requests = split_requests(variables, declared)
         values = bind_variables(plan, variables, "apply")
         if rngs is not None:
             check_rngs(rngs, "apply")
@@ -208,11 +211,15 @@ def _make_apply(plan: Plan, fn: Callable[..., Any] | None) -> Callable[..., Any]
                 f"{type(plan.root).__name__} has no __call__ method, so apply does not know "
                 f"what to run: pass lm.transform(model, to_callable=lambda m: m.method)."
             )
-        with Frame(plan, values, RngStreams(rngs), "apply"):
+        records = None if requests is None else Records(requests, CAPTURE.request)
+        with Frame(plan, values, RngStreams(rngs), "apply", records=records):
             outputs = fn(*args, **kwargs)
             if not isinstance(outputs, jax.Array):
                 outputs = _materialize(outputs)
-        return outputs, treedef.unflatten(values)
+        new_variables = treedef.unflatten(values)
+        if records is not None:
+            new_variables.update(finish(records, declared))
+        return outputs, new_variables
 
     apply.__doc__ = (
         f"Runs {type(plan.root).__name__}: apply(variables, rngs, *args, **kwargs) -> "

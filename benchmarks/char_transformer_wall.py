@@ -1,0 +1,95 @@
+"""Wall time of a whole run: the char transformer example against nanoGPT in PyTorch.
+
+The issue's race: nanoGPT's Shakespeare settings (4 layers, 4 heads, width 128, context 64,
+batch 12, 2,000 iterations, no dropout, lr 1e-3), start-up to exit, on the same machine.
+Each round runs `benchmarks/nanogpt_torch.py` and ``examples/char_transformer.py --quiet
+--sample-chars 0`` (nanoGPT's ``train.py`` writes no sample; ``--sample`` keeps the
+example's 500 characters) one after the other, in alternating order, each as its own process
+timed from start to exit; the table gives every round's seconds and validation losses, and
+the ratio of the medians. The machine's speed drifts (other tenants, thermal limits): only
+figures taken in the same run compare.
+
+    python benchmarks/char_transformer_wall.py                    # 2 rounds, about 9 minutes
+    python benchmarks/char_transformer_wall.py --rounds 3 --torch-python /path/to/python
+
+PyTorch is not a lamina dependency: `--torch-python` names an interpreter that has it
+(default: this one); ``pip install torch==2.13.0`` takes a CPU build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def run(command: list[str]) -> tuple[float, float, str]:
+    """Runs `command`; returns (seconds, the last ``val loss: X`` it printed, its output)."""
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=False)
+    seconds = time.perf_counter() - start
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    losses = re.findall(r"val loss: (\d+\.\d+)", done.stdout)
+    return seconds, float(losses[-1]), done.stdout
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data", default=str(DEFAULT_DATA), help="(default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2, help="(default: %(default)s)")
+    parser.add_argument("--iters", type=int, default=2000, help="(default: %(default)s)")
+    parser.add_argument(
+        "--torch-python", default=sys.executable, help="a Python with PyTorch (default: this one)"
+    )
+    parser.add_argument(
+        "--sample", action="store_true", help="let the example write its sample at the end"
+    )
+    args = parser.parse_args()
+    if not Path(args.data).is_file():
+        raise SystemExit(f"no text at {args.data} (--data)")
+    commands = {
+        "nanoGPT (PyTorch)": [
+            args.torch_python,
+            "benchmarks/nanogpt_torch.py",
+            f"--data={args.data}",
+            f"--iters={args.iters}",
+        ],
+        "lamina example": [
+            sys.executable,
+            "examples/char_transformer.py",
+            f"--data={args.data}",
+            f"--iters={args.iters}",
+            "--quiet",
+            "--out=/tmp/char_transformer_wall",
+            *([] if args.sample else ["--sample-chars=0"]),
+        ],
+    }
+    names = list(commands)
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    print(f"{'round':>5}  {'contestant':<20} {'seconds':>8} {'val loss':>9}  load average")
+    for round_ in range(args.rounds):
+        for name in names if round_ % 2 == 0 else reversed(names):
+            seconds, loss, _ = run(commands[name])
+            results[name].append((seconds, loss))
+            load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+            print(f"{round_ + 1:>5}  {name:<20} {seconds:8.1f} {loss:9.4f}  {load}", flush=True)
+    medians = {name: statistics.median(s for s, _ in rows) for name, rows in results.items()}
+    reference = medians[names[0]]
+    print("\nmedian wall time (start-up to exit), and against nanoGPT:")
+    for name in names:
+        print(f"  {name:<20} {medians[name]:7.1f} s   {medians[name] / reference:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
