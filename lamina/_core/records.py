@@ -382,6 +382,10 @@ def capture_intermediates(
     Like Linen's ``capture_intermediates``: the model is not edited. Each output is recorded
     under the module's path with the name ``"__call__"`` (a tuple, one entry per call), in
     `collection` of the new variables, together with anything `lm.sow` records there.
+    Wrap the transformed `apply` itself, then jit the result
+    (``jax.jit(lm.capture_intermediates(apply))``): the outputs are seen while the model is
+    traced, so a `jax.jit(apply)` that has already traced the same call would replay a
+    program without them.
 
     Args:
         apply: A transformed model's `apply`.
