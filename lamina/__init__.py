@@ -90,9 +90,11 @@ from .nn import LayerNorm as LayerNorm
 from .nn import LoRA as LoRA
 from .nn import LoRAParam as LoRAParam
 from .nn import LSTMCell as LSTMCell
+from .nn import MGUCell as MGUCell
 from .nn import MultiHeadAttention as MultiHeadAttention
 from .nn import RMSNorm as RMSNorm
 from .nn import Sequential as Sequential
+from .nn import SimpleCell as SimpleCell
 from .nn import Stack as Stack
 from .nn import avg_pool as avg_pool
 from .nn import combine_masks as combine_masks

@@ -191,6 +191,30 @@ LAYERS = [
         output_in_dtype=False,
     ),
     LayerCase(
+        "mgu_cell",
+        lambda t, p: lm.MGUCell(3, 4, **d(t, p)),
+        args(carry(2, 4, lstm=False), normal(2, 3)),
+        output_in_dtype=False,
+    ),
+    LayerCase(
+        "simple_cell_residual",
+        lambda t, p: lm.SimpleCell(3, 4, residual=True, **d(t, p)),
+        args(carry(2, 4, lstm=False), normal(2, 3)),
+        output_in_dtype=False,
+    ),
+    LayerCase(
+        "rnn_mgu",
+        lambda t, p: lm.RNN(lm.MGUCell(3, 4, reset_gate=False, **d(t, p))),
+        args(normal(2, 5, 3)),
+        output_in_dtype=False,
+    ),
+    LayerCase(
+        "rnn_simple",
+        lambda t, p: lm.RNN(lm.SimpleCell(3, 4, **d(t, p))),
+        args(normal(2, 5, 3)),
+        output_in_dtype=False,
+    ),
+    LayerCase(
         "rnn_lstm",
         lambda t, p: lm.RNN(lm.LSTMCell(3, 4, **d(t, p))),
         args(normal(2, 5, 3)),

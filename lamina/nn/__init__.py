@@ -7,6 +7,8 @@ from .attention import make_causal_mask as make_causal_mask
 from .batch_normalization import BatchNorm as BatchNorm
 from .cells import GRUCell as GRUCell
 from .cells import LSTMCell as LSTMCell
+from .cells import MGUCell as MGUCell
+from .cells import SimpleCell as SimpleCell
 from .combinators import Sequential as Sequential
 from .conv import Conv as Conv
 from .conv import ConvTranspose as ConvTranspose

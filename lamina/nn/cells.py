@@ -1,10 +1,11 @@
-"""Recurrent cells: `LSTMCell` and `GRUCell`, one time step each, equal to Flax Linen's.
+"""Recurrent cells: `LSTMCell`, `GRUCell`, `MGUCell`, `SimpleCell`, equal to Flax Linen's.
 
 The cells hold Linen's variables (one `Dense` per gate and source, named as Linen names
 them), so Linen's variables load directly. A cell computes one time step,
 ``cell(carry, x) -> (new_carry, y)``; `RNN` runs it over a sequence.
 
-A step's arithmetic is a compiled kernel, `lstm_step` or `gru_step`. `compiled_step` hands
+A step's arithmetic is a compiled kernel (`lstm_step`, `gru_step`, `mgu_step`,
+`simple_step`). `compiled_step` hands
 it to `RNN` with the cell's variables, so that the whole scan is one compiled function.
 """
 
@@ -86,6 +87,56 @@ def gru_step(
     return new_h, new_h
 
 
+@functools.partial(jax.jit, static_argnames=("dtype", "gate_fn", "activation_fn", "reset_gate"))
+def mgu_step(
+    carry: jax.Array,
+    x: jax.Array,
+    weights: tuple[Any, ...],
+    dtype: Any,
+    gate_fn: Callable[..., Any],
+    activation_fn: Callable[..., Any],
+    reset_gate: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """One minimal gated unit step, as Flax Linen's `MGUCell` computes it: ``(h', h')``.
+
+    `weights` is ``(W_if, b_if, W_in, b_in, W_hf, W_hn, b_hn)`` (`b_hn` None without the reset
+    gate). The interpolation ``(1 - f) * n + f * h`` is computed in the carry's dtype.
+    """
+    h = carry
+    w_if, b_if, w_in, b_in, w_hf, w_hn, b_hn = weights
+    f = gate_fn(dense(x, w_if, b_if, dtype) + dense(h, w_hf, None, dtype))
+    recurrent = dense(h, w_hn, b_hn, dtype)
+    if reset_gate:
+        recurrent = recurrent * f
+    n = activation_fn(dense(x, w_in, b_in, dtype) + recurrent)
+    hdt = h.dtype
+    new_h = ((1.0 - f) * n).astype(hdt) + f.astype(hdt) * h
+    return new_h, new_h
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "activation_fn", "residual"))
+def simple_step(
+    carry: jax.Array,
+    x: jax.Array,
+    weights: tuple[jax.Array, jax.Array, jax.Array],
+    dtype: Any,
+    activation_fn: Callable[..., Any],
+    residual: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """One Elman step, as Flax Linen's `SimpleCell` computes it: ``(h', h')``.
+
+    `weights` is ``(W_i, b_i, W_h)``; ``h' = activation(W_i x + b_i + W_h h [+ h])``, in the
+    carry's dtype.
+    """
+    h = carry
+    w_i, b_i, w_h = weights
+    z = dense(x, w_i, b_i, dtype) + dense(h, w_h, None, dtype)
+    if residual:
+        z = z + h.astype(z.dtype)
+    new_h = activation_fn(z).astype(h.dtype)
+    return new_h, new_h
+
+
 @dataclasses.dataclass(frozen=True)
 class _Kernel:
     """A cell's step as a hashable static argument: ``step(weights, carry, x)``."""
@@ -137,7 +188,7 @@ class _Cell(Module, abc.ABC):
         in_size: int,
         hidden_size: int,
         *,
-        gate_fn: Callable[..., Any],
+        gate_fn: Callable[..., Any] | None,
         activation_fn: Callable[..., Any],
         kernel_init: Initializer,
         recurrent_kernel_init: Initializer,
@@ -146,6 +197,7 @@ class _Cell(Module, abc.ABC):
         param_dtype: Any,
         input_biases: tuple[str, ...],
         hidden_biases: tuple[str, ...],
+        gate_bias_inits: dict[str, tuple[str, Initializer]] | None = None,
     ):
         super().__init__()
         cls = type(self).__name__
@@ -153,7 +205,8 @@ class _Cell(Module, abc.ABC):
         self.hidden_size = _checks.positive_int(cls, "hidden_size", hidden_size)
         # Passed to the compiled step as static arguments: `transform`'s copy of the cell
         # shares JAX's functions (`lm.sigmoid`, `jnp.tanh`), so every copy hits its cache.
-        self.gate_fn = _checks.function(cls, "gate_fn", gate_fn, "lm.sigmoid")
+        if gate_fn is not None:  # SimpleCell has no gates
+            self.gate_fn = _checks.function(cls, "gate_fn", gate_fn, "lm.sigmoid")
         self.activation_fn = _checks.function(cls, "activation_fn", activation_fn, "lm.tanh")
         self.dtype = _checks.inexact_dtype(cls, "dtype", dtype)
         self.param_dtype = _checks.storage_dtype(cls, param_dtype, self.dtype)
@@ -162,8 +215,12 @@ class _Cell(Module, abc.ABC):
             cls, "recurrent_kernel_init", recurrent_kernel_init
         )
         bias_init = _checks.initializer(cls, "bias_init", bias_init)
-        self._dense_per_gate("i", kernel_init, bias_init, biased=input_biases)
-        self._dense_per_gate("h", recurrent_kernel_init, bias_init, biased=hidden_biases)
+        bias_inits = {
+            name: _checks.initializer(cls, option, init)
+            for name, (option, init) in (gate_bias_inits or {}).items()
+        }
+        self._dense_per_gate("i", kernel_init, bias_init, input_biases, bias_inits)
+        self._dense_per_gate("h", recurrent_kernel_init, bias_init, hidden_biases, bias_inits)
 
     def _dense_per_gate(
         self,
@@ -171,12 +228,13 @@ class _Cell(Module, abc.ABC):
         kernel_init: Initializer,
         bias_init: Initializer,
         biased: tuple[str, ...],
+        bias_inits: dict[str, Initializer],
     ) -> None:
         """Declares one `Dense` per gate from `source`, named ``source + gate`` as in Linen.
 
         `source` is ``"i"`` (from the input) or ``"h"`` (from the hidden state); the gates in
-        `biased` have a bias. The names include Python keywords (``if``, ``in``), so they are
-        set and read by name.
+        `biased` have a bias, initialised by ``bias_inits[name]`` or else `bias_init`. The
+        names include Python keywords (``if``, ``in``), so they are set and read by name.
         """
         size = self.in_size if source == "i" else self.hidden_size
         for gate in self._gates:
@@ -185,7 +243,7 @@ class _Cell(Module, abc.ABC):
                 self.hidden_size,
                 use_bias=gate in biased,
                 kernel_init=kernel_init,
-                bias_init=bias_init,
+                bias_init=bias_inits.get(f"{source}{gate}", bias_init),
                 dtype=self.dtype,
                 param_dtype=self.param_dtype,
             )
@@ -344,7 +402,27 @@ class LSTMCell(_Cell):
         return _Kernel(lstm_step, self._settings())
 
 
-class GRUCell(_Cell):
+class _HiddenStateCell(_Cell):
+    """A cell whose carry is one array ``h`` (GRU, MGU, Elman)."""
+
+    _carry_doc = "one array h"
+
+    def _carry_shapes(self, batch: tuple[int, ...]) -> Any:
+        return (*batch, self.hidden_size)
+
+    def initialize_carry(self, batch_shape: Sequence[int] | int = ()) -> jax.Array:
+        """Returns the zero carry ``h`` of shape ``(*batch_shape, hidden_size)``.
+
+        Args:
+            batch_shape: The input's shape without its feature axis (``()`` for one example).
+
+        Returns:
+            A zero array of dtype `param_dtype`.
+        """
+        return self._zeros(batch_shape)
+
+
+class GRUCell(_HiddenStateCell):
     r"""A gated recurrent unit cell, equal to Flax Linen's `GRUCell`.
 
     .. math::
@@ -388,11 +466,7 @@ class GRUCell(_Cell):
     """
 
     _gates = _GRU_GATES
-    _carry_doc = "one array h"
     hn: Any  # the hidden-to-candidate Dense, set with the other gates in __init__
-
-    def _carry_shapes(self, batch: tuple[int, ...]) -> Any:
-        return (*batch, self.hidden_size)
 
     def __init__(
         self,
@@ -421,17 +495,6 @@ class GRUCell(_Cell):
             hidden_biases=("n",),
         )
 
-    def initialize_carry(self, batch_shape: Sequence[int] | int = ()) -> jax.Array:
-        """Returns the zero carry ``h`` of shape ``(*batch_shape, hidden_size)``.
-
-        Args:
-            batch_shape: The input's shape without its feature axis (``()`` for one example).
-
-        Returns:
-            A zero array of dtype `param_dtype`.
-        """
-        return self._zeros(batch_shape)
-
     def _weights(self) -> Any:
         ins = [getattr(self, f"i{g}") for g in self._gates]
         hid = [getattr(self, f"h{g}") for g in self._gates]
@@ -444,6 +507,188 @@ class GRUCell(_Cell):
 
     def _kernel(self) -> _Kernel:
         return _Kernel(gru_step, self._settings())
+
+
+class MGUCell(_HiddenStateCell):
+    r"""A minimal gated unit cell, equal to Flax Linen's `MGUCell`.
+
+    .. math::
+
+        f = \sigma(W_{if} x + b_{if} + W_{hf} h), \quad
+        n = \tanh(W_{in} x + b_{in} + f (W_{hn} h + b_{hn})), \qquad
+        h' = (1 - f) n + f h.
+
+    ``cell(h, x)`` returns ``(h', h')``. Variables are Linen's: `Dense` submodules ``if, in``
+    (input to gate, ``kernel`` of shape ``(in_size, hidden_size)`` and ``bias``), ``hf``
+    (``kernel`` only) and ``hn`` (``kernel``, and ``bias`` with the reset gate). Without the
+    reset gate (``reset_gate=False``) ``n = tanh(W_{in} x + b_{in} + W_{hn} h)``.
+
+    Args:
+        in_size: Size of the input's last axis.
+        hidden_size: Size of ``h`` (Linen's `features`).
+        gate_fn: Activation of the gate ``f``.
+        activation_fn: Activation of the candidate ``n``.
+        kernel_init: Initializer of the input kernels.
+        recurrent_kernel_init: Initializer of the hidden kernels.
+        forget_bias_init: Initializer of ``b_{if}`` (ones, as Linen: a gate that starts
+            half open keeps gradients alive).
+        activation_bias_init: Initializer of ``b_{in}`` and ``b_{hn}``.
+        dtype: Compute dtype.
+        param_dtype: Storage dtype of the variables and of `initialize_carry`'s carry
+            (default: `dtype`).
+        reset_gate: Whether ``f`` gates the recurrent term of ``n``.
+
+    Everything after `hidden_size` is keyword-only.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> cell = lm.MGUCell(3, 4)
+        >>> init, apply = lm.transform(cell)
+        >>> variables = init(jax.random.key(0))
+        >>> sorted(variables["params"]), variables["params"]["if"]["bias"].tolist()
+        (['hf', 'hn', 'if', 'in'], [1.0, 1.0, 1.0, 1.0])
+        >>> h, y = apply(variables, None, cell.initialize_carry((2,)), jnp.ones((2, 3)))[0]
+        >>> h.shape
+        (2, 4)
+    """
+
+    _gates = ("f", "n")
+    reset_gate = _checks.Setting()
+    hf: Any  # the Dense layers, set by name in __init__ ("if" and "in" are keywords)
+    hn: Any
+
+    def __init__(
+        self,
+        in_size: int,
+        hidden_size: int,
+        *,
+        gate_fn: Callable[..., Any] = sigmoid,
+        activation_fn: Callable[..., Any] = tanh,
+        kernel_init: Initializer = initializers.lecun_normal(),
+        recurrent_kernel_init: Initializer = initializers.orthogonal(),
+        forget_bias_init: Initializer = initializers.ones(),
+        activation_bias_init: Initializer = initializers.zeros(),
+        dtype: Any = jnp.float32,
+        param_dtype: Any = None,
+        reset_gate: bool = True,
+    ):
+        self.reset_gate = _checks.flag(type(self).__name__, "reset_gate", reset_gate)
+        super().__init__(
+            in_size,
+            hidden_size,
+            gate_fn=gate_fn,
+            activation_fn=activation_fn,
+            kernel_init=kernel_init,
+            recurrent_kernel_init=recurrent_kernel_init,
+            bias_init=activation_bias_init,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            input_biases=("f", "n"),
+            hidden_biases=("n",) if self.reset_gate else (),
+            gate_bias_inits={"if": ("forget_bias_init", forget_bias_init)},
+        )
+
+    def _weights(self) -> Any:
+        f_in, n_in = getattr(self, "if"), getattr(self, "in")
+        f_h, n_h = self.hf, self.hn
+        return (
+            f_in.kernel.value,
+            f_in.bias.value,
+            n_in.kernel.value,
+            n_in.bias.value,
+            f_h.kernel.value,
+            n_h.kernel.value,
+            None if n_h.bias is None else n_h.bias.value,
+        )
+
+    def _settings(self) -> tuple[tuple[str, Any], ...]:
+        return (*super()._settings(), ("reset_gate", self.reset_gate))
+
+    def _kernel(self) -> _Kernel:
+        return _Kernel(mgu_step, self._settings())
+
+
+class SimpleCell(_HiddenStateCell):
+    r"""An Elman cell, equal to Flax Linen's `SimpleCell`.
+
+    .. math::
+
+        h' = \tanh(W_i x + b_i + W_h h) \quad (+\, h \text{ inside the tanh with residual}).
+
+    ``cell(h, x)`` returns ``(h', h')``. Variables are Linen's: `Dense` submodules ``i``
+    (``kernel`` of shape ``(in_size, hidden_size)`` and ``bias``) and ``h`` (``kernel``).
+
+    Args:
+        in_size: Size of the input's last axis.
+        hidden_size: Size of ``h`` (Linen's `features`).
+        activation_fn: The activation.
+        kernel_init: Initializer of the input kernel.
+        recurrent_kernel_init: Initializer of the hidden kernel.
+        bias_init: Initializer of the bias.
+        dtype: Compute dtype.
+        param_dtype: Storage dtype of the variables and of `initialize_carry`'s carry
+            (default: `dtype`).
+        residual: Adds ``h`` before the activation (a pre-activation residual).
+
+    Everything after `hidden_size` is keyword-only.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> cell = lm.SimpleCell(3, 4)
+        >>> init, apply = lm.transform(cell)
+        >>> variables = init(jax.random.key(0))
+        >>> sorted(variables["params"]), sorted(variables["params"]["h"])
+        (['h', 'i'], ['kernel'])
+        >>> h, y = apply(variables, None, cell.initialize_carry((2,)), jnp.ones((2, 3)))[0]
+        >>> h.shape
+        (2, 4)
+    """
+
+    _gates = ("",)  # one Dense per source, named "i" and "h" as in Linen
+    residual = _checks.Setting()
+    i: Any  # the Dense layers, set by name in __init__
+    h: Any
+
+    def __init__(
+        self,
+        in_size: int,
+        hidden_size: int,
+        *,
+        activation_fn: Callable[..., Any] = tanh,
+        kernel_init: Initializer = initializers.lecun_normal(),
+        recurrent_kernel_init: Initializer = initializers.orthogonal(),
+        bias_init: Initializer = initializers.zeros(),
+        dtype: Any = jnp.float32,
+        param_dtype: Any = None,
+        residual: bool = False,
+    ):
+        self.residual = _checks.flag(type(self).__name__, "residual", residual)
+        super().__init__(
+            in_size,
+            hidden_size,
+            gate_fn=None,
+            activation_fn=activation_fn,
+            kernel_init=kernel_init,
+            recurrent_kernel_init=recurrent_kernel_init,
+            bias_init=bias_init,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            input_biases=("",),
+            hidden_biases=(),
+        )
+
+    def _weights(self) -> Any:
+        return (self.i.kernel.value, self.i.bias.value, self.h.kernel.value)
+
+    def _settings(self) -> tuple[tuple[str, Any], ...]:
+        return (
+            ("dtype", self.dtype),
+            ("activation_fn", self.activation_fn),
+            ("residual", self.residual),
+        )
+
+    def _kernel(self) -> _Kernel:
+        return _Kernel(simple_step, self._settings())
 
 
 def carry_shapes(cell: Any, batch: tuple[int, ...]) -> Any:
