@@ -77,13 +77,25 @@ class Initializer:
         self.name = name
         self.fn = fn
         self.config = config
+        self.dtype: Any = jnp.float32  # when a call gives none (a factory's `dtype=`)
         self._identity: tuple = ("fn", fn)
 
     @classmethod
-    def _of(cls, name: str, fn: Any, arguments: dict[str, Any], **shown: Any) -> Initializer:
-        """An initializer made by factory `name` from all of its `arguments`."""
+    def _of(
+        cls, name: str, fn: Any, arguments: dict[str, Any], dtype: Any = None, **shown: Any
+    ) -> Initializer:
+        """An initializer made by factory `name` from all of its `arguments`.
+
+        `dtype` is the factory's ``dtype=``: the dtype of a call that names none (as in
+        `jax.nn.initializers`); a variable's declaration always names its own.
+        """
+        if dtype is not None:
+            dtype = _as_dtype(name, dtype)
+            shown["dtype"] = dtype.name
         init = cls(name, fn, **shown)
-        init._identity = ("factory", name, _canonical(arguments))
+        if dtype is not None:
+            init.dtype = dtype
+        init._identity = ("factory", name, _canonical(arguments), str(init.dtype))
         return init
 
     def __eq__(self, other: object) -> bool:
@@ -92,9 +104,9 @@ class Initializer:
     def __hash__(self) -> int:
         return hash(self._identity)
 
-    def __call__(self, key: Any, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
-        """Makes an array of `shape` and `dtype` from `key`."""
-        return self.fn(key, shape, dtype)
+    def __call__(self, key: Any, shape: Sequence[int], dtype: Any = None) -> jax.Array:
+        """Makes an array of `shape` and `dtype` (default: the factory's) from `key`."""
+        return self.fn(key, shape, self.dtype if dtype is None else dtype)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
@@ -133,61 +145,102 @@ def _canonical(value: Any) -> Any:
     return _ByIdentity(value)
 
 
+def _as_dtype(name: str, dtype: Any) -> np.dtype:
+    try:
+        return np.dtype(jax.dtypes.canonicalize_dtype(jnp.dtype(dtype)))
+    except TypeError:
+        raise TypeError(
+            f"{name}: dtype must be a dtype such as jnp.float32, got {dtype!r}."
+        ) from None
+
+
 _DEFAULT_AXES = {"in_axis": -2, "out_axis": -1, "batch_axis": ()}
 
 
-def _scaling(name: str, in_axis: Axes, out_axis: Axes, batch_axis: Axes) -> Initializer:
+def _scaling(name: str, in_axis: Axes, out_axis: Axes, batch_axis: Axes, dtype: Any) -> Initializer:
     axes = {"in_axis": in_axis, "out_axis": out_axis, "batch_axis": batch_axis}
     fn = getattr(jax.nn.initializers, name)(**axes)
     shown = {k: v for k, v in axes.items() if v != _DEFAULT_AXES[k]}
-    return Initializer._of(name, fn, axes, **shown)
+    return Initializer._of(name, fn, axes, dtype, **shown)
 
 
-def zeros() -> Initializer:
+def _real(name: str, setting: str, value: Any) -> Any:
+    """`value` if it is a real number; a `TypeError` naming the setting otherwise."""
+    try:
+        kind = np.asarray(value).dtype if np.ndim(value) == 0 else None
+    except (TypeError, ValueError):
+        kind = None
+    if (
+        kind is None
+        or kind == np.bool_
+        or not np.issubdtype(kind, np.number)
+        or (np.issubdtype(kind, np.complexfloating))
+    ):
+        raise TypeError(
+            f"{name}: {setting} must be a real number, got {value!r} (a dtype goes in "
+            f"dtype=, as in jax.nn.initializers.{name})."
+        )
+    return value
+
+
+def zeros(dtype: Any = None) -> Initializer:
     """All zeros."""
-    return Initializer._of("zeros", jax.nn.initializers.zeros, {})
+    return Initializer._of("zeros", jax.nn.initializers.zeros, {}, dtype)
 
 
-def ones() -> Initializer:
+def ones(dtype: Any = None) -> Initializer:
     """All ones."""
-    return Initializer._of("ones", jax.nn.initializers.ones, {})
+    return Initializer._of("ones", jax.nn.initializers.ones, {}, dtype)
 
 
-def constant(value: Any) -> Initializer:
+def constant(value: Any, dtype: Any = None) -> Initializer:
     """Every element equal to `value` (an array broadcasts to the shape)."""
     return Initializer._of(
-        "constant", jax.nn.initializers.constant(value), {"value": value}, value=value
+        "constant", jax.nn.initializers.constant(value), {"value": value}, dtype, value=value
     )
 
 
-def normal(stddev: float = 1e-2) -> Initializer:
+def normal(stddev: float = 1e-2, dtype: Any = None) -> Initializer:
     """Normal with mean 0 and the given standard deviation."""
+    stddev = _real("normal", "stddev", stddev)
     return Initializer._of(
-        "normal", jax.nn.initializers.normal(stddev), {"stddev": stddev}, stddev=stddev
+        "normal", jax.nn.initializers.normal(stddev), {"stddev": stddev}, dtype, stddev=stddev
     )
 
 
-def uniform(scale: float = 1e-2) -> Initializer:
+def uniform(scale: float = 1e-2, dtype: Any = None) -> Initializer:
     """Uniform on ``[0, scale)``."""
+    scale = _real("uniform", "scale", scale)
     return Initializer._of(
-        "uniform", jax.nn.initializers.uniform(scale), {"scale": scale}, scale=scale
+        "uniform", jax.nn.initializers.uniform(scale), {"scale": scale}, dtype, scale=scale
     )
 
 
-def truncated_normal(stddev: float = 1e-2, lower: float = -2.0, upper: float = 2.0) -> Initializer:
-    """Normal truncated to ``[lower, upper]`` standard deviations, then scaled by `stddev`."""
+def truncated_normal(
+    stddev: float = 1e-2, dtype: Any = None, lower: float = -2.0, upper: float = 2.0
+) -> Initializer:
+    """Normal truncated to ``[lower, upper]`` standard deviations, then scaled by `stddev`.
+
+    The arguments are in `jax.nn.initializers.truncated_normal`'s order (and Metoryx's):
+    `dtype` second.
+    """
+    config = {
+        "stddev": _real("truncated_normal", "stddev", stddev),
+        "lower": _real("truncated_normal", "lower", lower),
+        "upper": _real("truncated_normal", "upper", upper),
+    }
     fn = jax.nn.initializers.truncated_normal(stddev, lower=lower, upper=upper)
-    config = {"stddev": stddev, "lower": lower, "upper": upper}
-    return Initializer._of("truncated_normal", fn, config, **config)
+    return Initializer._of("truncated_normal", fn, config, dtype, **config)
 
 
 def variance_scaling(
     scale: float,
-    mode: str,
-    distribution: str,
+    mode: str = "fan_in",
+    distribution: str = "truncated_normal",
     in_axis: Axes = -2,
     out_axis: Axes = -1,
     batch_axis: Axes = (),
+    dtype: Any = None,
 ) -> Initializer:
     """Variance ``scale / fan`` with ``fan`` by `mode` (fan_in, fan_out, fan_avg, fan_geo_avg).
 
@@ -198,6 +251,7 @@ def variance_scaling(
         in_axis: Axes that count towards fan-in.
         out_axis: Axes that count towards fan-out.
         batch_axis: Axes ignored by the fans.
+        dtype: The dtype of a call that names none (default float32).
     """
     modes = ("fan_in", "fan_out", "fan_avg", "fan_geo_avg")
     distributions = ("truncated_normal", "normal", "uniform")
@@ -218,37 +272,49 @@ def variance_scaling(
     shown = {"scale": scale, "mode": mode, "distribution": distribution}
     axes = {"in_axis": in_axis, "out_axis": out_axis, "batch_axis": batch_axis}
     shown.update({k: v for k, v in axes.items() if v != _DEFAULT_AXES[k]})
-    return Initializer._of("variance_scaling", fn, {**shown, **axes}, **shown)
+    return Initializer._of("variance_scaling", fn, {**shown, **axes}, dtype, **shown)
 
 
-def lecun_normal(in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = ()) -> Initializer:
+def lecun_normal(
+    in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = (), dtype: Any = None
+) -> Initializer:
     """Truncated normal, variance ``1 / fan_in`` (the default of `Dense` and `Conv`)."""
-    return _scaling("lecun_normal", in_axis, out_axis, batch_axis)
+    return _scaling("lecun_normal", in_axis, out_axis, batch_axis, dtype)
 
 
-def lecun_uniform(in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = ()) -> Initializer:
+def lecun_uniform(
+    in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = (), dtype: Any = None
+) -> Initializer:
     """Uniform, variance ``1 / fan_in``."""
-    return _scaling("lecun_uniform", in_axis, out_axis, batch_axis)
+    return _scaling("lecun_uniform", in_axis, out_axis, batch_axis, dtype)
 
 
-def glorot_normal(in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = ()) -> Initializer:
+def glorot_normal(
+    in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = (), dtype: Any = None
+) -> Initializer:
     """Truncated normal, variance ``2 / (fan_in + fan_out)``."""
-    return _scaling("glorot_normal", in_axis, out_axis, batch_axis)
+    return _scaling("glorot_normal", in_axis, out_axis, batch_axis, dtype)
 
 
-def glorot_uniform(in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = ()) -> Initializer:
+def glorot_uniform(
+    in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = (), dtype: Any = None
+) -> Initializer:
     """Uniform, variance ``2 / (fan_in + fan_out)``."""
-    return _scaling("glorot_uniform", in_axis, out_axis, batch_axis)
+    return _scaling("glorot_uniform", in_axis, out_axis, batch_axis, dtype)
 
 
-def he_normal(in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = ()) -> Initializer:
+def he_normal(
+    in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = (), dtype: Any = None
+) -> Initializer:
     """Truncated normal, variance ``2 / fan_in``."""
-    return _scaling("he_normal", in_axis, out_axis, batch_axis)
+    return _scaling("he_normal", in_axis, out_axis, batch_axis, dtype)
 
 
-def he_uniform(in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = ()) -> Initializer:
+def he_uniform(
+    in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = (), dtype: Any = None
+) -> Initializer:
     """Uniform, variance ``2 / fan_in``."""
-    return _scaling("he_uniform", in_axis, out_axis, batch_axis)
+    return _scaling("he_uniform", in_axis, out_axis, batch_axis, dtype)
 
 
 xavier_normal = glorot_normal
@@ -257,15 +323,29 @@ kaiming_normal = he_normal
 kaiming_uniform = he_uniform
 
 
-def orthogonal(scale: float = 1.0, column_axis: int = -1) -> Initializer:
-    """A (scaled) orthogonal matrix, over all axes but `column_axis`."""
-    fn = jax.nn.initializers.orthogonal(scale, column_axis)
+def _in_float32(fn: Any) -> Any:
+    """`fn` computed in float32 for narrower floats (XLA's CPU has no bfloat16 QR), then cast."""
+
+    def init(key: Any, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
+        if jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4:
+            return fn(key, shape, jnp.float32).astype(dtype)
+        return fn(key, shape, dtype)
+
+    return init
+
+
+def orthogonal(scale: float = 1.0, column_axis: int = -1, dtype: Any = None) -> Initializer:
+    """A (scaled) orthogonal matrix, over all axes but `column_axis`.
+
+    bfloat16 and float16 matrices are made in float32 and rounded (Linen's fails on the CPU).
+    """
+    fn = _in_float32(jax.nn.initializers.orthogonal(scale, column_axis))
     config = {"scale": scale, "column_axis": column_axis}
-    return Initializer._of("orthogonal", fn, config, **config)
+    return Initializer._of("orthogonal", fn, config, dtype, **config)
 
 
-def delta_orthogonal(scale: float = 1.0, column_axis: int = -1) -> Initializer:
+def delta_orthogonal(scale: float = 1.0, column_axis: int = -1, dtype: Any = None) -> Initializer:
     """Delta-orthogonal for convolution kernels (orthogonal at the centre, zero elsewhere)."""
-    fn = jax.nn.initializers.delta_orthogonal(scale, column_axis)
+    fn = _in_float32(jax.nn.initializers.delta_orthogonal(scale, column_axis))
     config = {"scale": scale, "column_axis": column_axis}
-    return Initializer._of("delta_orthogonal", fn, config, **config)
+    return Initializer._of("delta_orthogonal", fn, config, dtype, **config)

@@ -297,6 +297,13 @@ LAYERS += [
     ),
 ]
 
+# The entries of layer families kept in their own files (one table: they join it here).
+from tests import table_attention, table_linear, table_norm, table_recurrent  # noqa: E402
+
+for _part in (table_linear, table_norm, table_recurrent, table_attention):
+    LAYERS += _part.LAYERS
+    NOT_LAYERS.update(_part.NOT_LAYERS)
+
 BY_NAME = {case.name: case for case in LAYERS}
 IDS = [case.name for case in LAYERS]
 

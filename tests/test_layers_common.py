@@ -145,6 +145,29 @@ def test_dtypes(case, dtype):
             assert_close(outputs, expected, rtol=5e-2, atol=5e-2 * scale, check_dtype=False)
 
 
+@pytest.mark.parametrize("case", LAYERS, ids=IDS)
+def test_dtype_none_infers_the_compute_dtype(case):
+    """``dtype=None`` computes in the promotion of inputs and variables (Linen's default)."""
+    variables, call, inputs = build(case, None, jnp.bfloat16)
+    for leaf in jax.tree.leaves(variables.get("params", {})):
+        assert leaf.dtype == jnp.bfloat16
+    inputs = cast_inputs(inputs, jnp.bfloat16)
+    outputs, _ = call(variables, *inputs)
+    floats = [x for x in jax.tree.leaves(outputs) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert {x.dtype for x in floats} <= {jnp.dtype(jnp.bfloat16)}
+    # float32 parameters promote bfloat16 inputs to float32, as jnp.result_type does
+    variables, call, _ = build(case, None, None)
+    stack = isinstance(case.make(None, None), lm.Stack)
+    if stack and variables.get("params"):  # a scan's carry cannot change dtype
+        with pytest.raises(TypeError, match=r"goes in as bfloat16\[.* comes out as float32"):
+            call(variables, *inputs)
+        return
+    outputs, _ = call(variables, *inputs)
+    floats = [x for x in jax.tree.leaves(outputs) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if case.output_in_dtype and variables.get("params"):
+        assert {x.dtype for x in floats} == {jnp.dtype(jnp.float32)}
+
+
 def golden_entry(case):
     variables = jax.eval_shape(lm.transform(case.make(jnp.float32, None)).init, jax.random.key(0))
     flat = jax.tree_util.tree_flatten_with_path(variables)[0]
@@ -174,8 +197,14 @@ def public_layers():
             callable(obj) and getattr(obj, "__module__", "").startswith("lamina.nn")
         ):
             names.add(name)
-    names |= {n for n in dir(lamina.nn) if not n.startswith("_")} - {"annotations"}
-    return {n for n in names if not isinstance(getattr(lamina.nn, n, None), type(lamina.nn))}
+    for name in dir(lamina.nn):  # its layers; not the activations and initializers it re-exports
+        obj = getattr(lamina.nn, name)
+        if not name.startswith("_") and (
+            (isinstance(obj, type) and issubclass(obj, lm.Module))
+            or (callable(obj) and getattr(obj, "__module__", "").startswith("lamina.nn"))
+        ):
+            names.add(name)
+    return names
 
 
 def covered(case):

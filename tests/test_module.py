@@ -108,3 +108,25 @@ def test_repr_of_shared_module():
             self.b = self.a
 
     assert "b=Leaf(...)" in repr(Tied())
+
+
+def test_a_read_only_setting_holding_a_numpy_array_survives_transform():
+    """The snapshot freezes NumPy arrays read-only, even behind a layer's read-only setting."""
+    from lamina.nn import _checks
+
+    class Offset(lm.Module):
+        offset = _checks.Setting()
+
+        def __init__(self):
+            super().__init__()
+            self.offset = np.arange(3.0, dtype=np.float32)
+            self.scale = lm.Parameter((3,), lm.initializers.ones())
+
+        def __call__(self, x):
+            return x * self.scale.value + self.offset
+
+    model = Offset()
+    init, apply = lm.transform(model)
+    y, _ = apply(init(jax.random.key(0)), None, jnp.ones(3))
+    np.testing.assert_array_equal(y, [1.0, 2.0, 3.0])
+    assert model.offset.flags.writeable  # the user's own array is untouched

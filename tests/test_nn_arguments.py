@@ -84,22 +84,28 @@ CONSTRUCTOR_ERRORS = [
         r"^Dense: dtype must be a dtype such as jnp\.float32, got 'float3'",
     ),
     (
-        "dense-dtype-none",
-        lambda: lm.Dense(4, 3, dtype=None),
+        "dense-param-dtype-none",
+        lambda: lm.Dense(4, 3, dtype=None, param_dtype=jnp.int32),
         TypeError,
-        r"^Dense: dtype must be a dtype such as jnp\.float32, got None; leave",
+        r"^Dense: param_dtype must be a floating or complex dtype .* got int32",
+    ),
+    (
+        "dense-complex-storage-real-compute",
+        lambda: lm.Dense(4, 3, param_dtype=jnp.complex64),
+        TypeError,
+        r"^Dense: param_dtype=complex64 is complex but dtype=float32 is real.*dtype=None",
     ),
     (
         "dense-dtype-int",
         lambda: lm.Dense(4, 3, dtype=jnp.int32),
         TypeError,
-        r"^Dense: dtype must be a floating dtype .* got int32",
+        r"^Dense: dtype must be a floating or complex dtype .* got int32",
     ),
     (
         "dense-param-dtype",
         lambda: lm.Dense(4, 3, param_dtype=jnp.int8),
         TypeError,
-        r"^Dense: param_dtype must be a floating dtype",
+        r"^Dense: param_dtype must be a floating or complex dtype",
     ),
     (
         "dense-precision",
@@ -173,7 +179,7 @@ CONSTRUCTOR_ERRORS = [
         "conv-dtype",
         lambda: lm.Conv(3, 4, 3, dtype=jnp.int32),
         TypeError,
-        r"^Conv\(.*\): dtype must be a floating dtype",
+        r"^Conv\(.*\): dtype must be a floating or complex dtype",
     ),
     (
         "conv-precision",

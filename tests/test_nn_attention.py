@@ -617,7 +617,6 @@ FUNCTION_ERRORS = [
     ((q4, ones((B, L, 2, 4)), q4), {}, r"query, key and value must have the same num_heads"),
     ((q4, ones((B, L, 3, 5)), q4), {}, r"query and key must have the same depth"),
     ((q4, q4, ones((B, 6, 3, 4))), {}, r"key and value must have the same length"),
-    ((q4, q4, q4), {"dtype": np.int32}, r"the compute dtype must be floating, got int32"),
     ((q4, q4, q4), {"dropout_rate": -0.1}, r"dropout_rate must be a number in \[0, 1\)"),
 ]
 
@@ -631,6 +630,15 @@ def test_dot_product_attention_errors(args, kwargs, match):
 def test_dot_product_attention_is_training_must_be_a_bool():
     with pytest.raises(TypeError, match=r"is_training must be a Python bool, got int"):
         dot_product_attention(q4, q4, q4, is_training=1)
+
+
+def test_dot_product_attention_dtype_must_be_inexact():
+    with pytest.raises(
+        TypeError,
+        match=r"^dot_product_attention: dtype must be a floating or complex dtype such as "
+        r"jnp.float32, jnp.bfloat16 or jnp.complex64, got int32",
+    ):
+        dot_product_attention(q4, q4, q4, dtype=np.int32)
 
 
 @pytest.mark.parametrize(

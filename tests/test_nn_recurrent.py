@@ -657,7 +657,7 @@ def test_bad_settings():
         RNN(GRUCell(IN, HID), True)  # time_major is keyword-only
     with pytest.raises(TypeError, match=r"positional argument"):
         GRUCell(IN, HID, lm.relu)  # gate_fn is keyword-only
-    with pytest.raises(TypeError, match=r"^LSTMCell: dtype must be a floating dtype"):
+    with pytest.raises(TypeError, match=r"^LSTMCell: dtype must be a floating or complex dtype"):
         LSTMCell(IN, HID, dtype=jnp.int32)
     with pytest.raises(TypeError, match=r"^GRUCell: recurrent_kernel_init must be an initializer"):
         GRUCell(IN, HID, recurrent_kernel_init=None)

@@ -119,6 +119,11 @@ def test_summary_counts_bytes_of_the_stored_dtype():
     assert lm.summary(dense).totals["params"] == (8, 32)
 
 
-def test_dtype_none_is_a_clear_error():
-    with pytest.raises(TypeError, match=r"dtype=None is not supported"):
-        lm.Parameter((2,), lm.initializers.zeros(), dtype=None)
+def test_dtype_none_reads_the_stored_dtype():
+    p = lm.Parameter((2,), lm.initializers.zeros(), dtype=None, param_dtype=jnp.bfloat16)
+    assert p.dtype == p.param_dtype == jnp.bfloat16
+    assert lm.Parameter((2,), lm.initializers.zeros(), dtype=None).dtype == jnp.float32
+    with pytest.raises(TypeError, match=r"param_dtype=complex64 is complex but dtype=float32"):
+        lm.Parameter((2,), lm.initializers.zeros(), param_dtype=jnp.complex64)
+    with pytest.raises(TypeError, match=r"^Parameter: param_dtype must be a dtype .* got 'x'"):
+        lm.Parameter((2,), lm.initializers.zeros(), dtype=None, param_dtype="x")

@@ -141,7 +141,9 @@ def freeze(module: Any, where: str) -> None:
             continue
         frozen = _frozen(value, f"{where}/{name}" if where != "<root>" else name)
         if frozen is not value:
-            object.__setattr__(module, name, frozen)
+            # the instance dict itself: a data descriptor (a layer's read-only setting) would
+            # refuse the write, and the attribute already lives here
+            vars(module)[name] = frozen
 
 
 def _frozen(value: Any, where: str) -> Any:

@@ -758,6 +758,8 @@ class _Scan(_Lifted):
                     f"lm.Carry) but returns {len(new_carry)} (out_axes lm.Carry); the carry "
                     f"goes in and comes out with the same structure."
                 )
+            for before, after in zip(carry_arrays, new_carry, strict=True):
+                _check_carry_type(name, before, after)
             stacked = (ys, [new[s] for s in xs_written], body.records_out())
             return (new_carry, [new[s] for s in carry_slots]), stacked
 
@@ -779,6 +781,21 @@ class _Scan(_Lifted):
         _store(binding, dict(zip(xs_written, xs_values, strict=True)))
         body.absorb_records(records)
         return body.restore(out)
+
+
+def _check_carry_type(name: str, before: Any, after: Any) -> None:
+    """A carried array must come out of each iteration with the shape and dtype it went in."""
+    if jnp.shape(before) == jnp.shape(after) and jnp.result_type(before) == jnp.result_type(after):
+        return
+    was = f"{jnp.result_type(before)}{list(jnp.shape(before))}"
+    now = f"{jnp.result_type(after)}{list(jnp.shape(after))}"
+    raise TypeError(
+        f"{name}: a carried array goes in as {was} but comes out as {now}; each iteration "
+        f"must return the carry as it came in. A layer built with dtype=None computes in the "
+        f"promotion of its input and variables (bfloat16 inputs with float32 parameters give "
+        f"float32): pass the input in that dtype (x.astype(...)), or build the layers with an "
+        f"explicit dtype."
+    )
 
 
 def _leaves_with_modules(out: Any) -> list[bool]:

@@ -40,8 +40,9 @@ class State:
         collection: The top-level key its value lives under (``"params"``, ``"batch_stats"``...).
         shape: The array's shape.
         init: ``init(key, shape, dtype) -> array``; any `jax.nn.initializers` function works.
-        dtype: The dtype `.value` returns (compute dtype).
-        param_dtype: The dtype stored in the variables (default: `dtype`).
+        dtype: The dtype `.value` returns (compute dtype); None: the storage dtype.
+        param_dtype: The dtype stored in the variables (default: `dtype`, or float32 when
+            `dtype` is None).
         mutable: Whether `apply` may write it.
         tags: Extra names that string filters match (the collection always matches).
         sharding: Logical axis names, one per dimension (``None`` for a replicated one).
@@ -86,10 +87,21 @@ class State:
                 f"lm.initializers.zeros(); got {init!r}."
             )
         self.init = init
-        self.dtype = as_dtype(dtype, kind, "dtype")
-        self.param_dtype = (
-            self.dtype if param_dtype is None else as_dtype(param_dtype, kind, "param_dtype")
+        stored = (
+            as_dtype(param_dtype, kind, "param_dtype")
+            if param_dtype is not None
+            else as_dtype(jnp.float32 if dtype is None else dtype, kind, "dtype")
         )
+        self.dtype = stored if dtype is None else as_dtype(dtype, kind, "dtype")
+        self.param_dtype = stored
+        if jnp.issubdtype(stored, jnp.complexfloating) and not jnp.issubdtype(
+            self.dtype, jnp.complexfloating
+        ):
+            raise TypeError(
+                f"{kind}: param_dtype={stored} is complex but dtype={self.dtype} is not: every "
+                f"read of .value would drop the imaginary part. Pass dtype={stored} or "
+                f"dtype=None (read in the stored dtype)."
+            )
         self.mutable = bool(mutable)
         self.tags = (tags,) if isinstance(tags, str) else tuple(tags)
         if not all(isinstance(t, str) for t in self.tags):
@@ -158,6 +170,14 @@ class State:
         # Array methods (`reshape`, `sum`, `astype`, ...) on the value, inside a call only.
         if name.startswith("_"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if not hasattr(jax.Array, name):
+            renamed = _RENAMED.get(name)
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}"
+                + (f" (Metoryx's .{name} is .{renamed} here)" if renamed else "")
+                + ": a declaration has collection, shape, dtype, param_dtype, mutable, tags, "
+                "sharding and init, and inside a call .value and the array's methods."
+            )
         if self._lamina_plan is None and current_frame() is None:
             raise AttributeError(
                 f"{type(self).__name__!r} object has no attribute {name!r} outside init/apply: "
@@ -437,6 +457,10 @@ def _as_shape(shape: Any, kind: str) -> Shape:
     return tuple(int(d) for d in dims)
 
 
+# Attributes of Metoryx's declarations that lamina names otherwise.
+_RENAMED = {"col": "collection"}
+
+
 def as_dtype(dtype: Any, kind: str, name: str) -> np.dtype:
     """Returns `dtype` as JAX stores it, or raises a `TypeError` naming `kind` and `name`.
 
@@ -444,10 +468,7 @@ def as_dtype(dtype: Any, kind: str, name: str) -> np.dtype:
     that the declared dtype is the dtype of the arrays (and `summary` counts the right bytes).
     """
     if dtype is None:
-        raise TypeError(
-            f"{kind}: {name}=None is not supported (lamina does not infer dtypes); pass a dtype "
-            f"such as jnp.float32."
-        )
+        raise TypeError(f"{kind}: {name} must be a dtype such as jnp.float32, got None.")
     try:
         result = jnp.dtype(dtype)
     except TypeError:

@@ -1,17 +1,28 @@
 """Layers, one concept per file."""
 
+# Metoryx's `nn` namespace also holds the base class, the activations and the initializers.
+from .. import initializers as initializers
+from .._core.module import Module as Module
+from ..activations import *  # noqa: F403
 from .attention import combine_masks as combine_masks
 from .attention import dot_product_attention as dot_product_attention
+from .attention import dot_product_attention_weights as dot_product_attention_weights
 from .attention import make_attention_mask as make_attention_mask
 from .attention import make_causal_mask as make_causal_mask
 from .batch_normalization import BatchNorm as BatchNorm
+from .bidirectional import Bidirectional as Bidirectional
 from .cells import GRUCell as GRUCell
 from .cells import LSTMCell as LSTMCell
 from .cells import MGUCell as MGUCell
+from .cells import OptimizedLSTMCell as OptimizedLSTMCell
 from .cells import SimpleCell as SimpleCell
 from .combinators import Sequential as Sequential
 from .conv import Conv as Conv
+from .conv import ConvLocal as ConvLocal
 from .conv import ConvTranspose as ConvTranspose
+from .conv_lstm import ConvLSTMCell as ConvLSTMCell
+from .dense_general import DenseGeneral as DenseGeneral
+from .einsum import Einsum as Einsum
 from .linear import Dense as Dense
 from .linear import Embed as Embed
 from .lora import LoRA as LoRA
@@ -19,12 +30,16 @@ from .lora import LoRAParam as LoRAParam
 from .lora import merge_lora as merge_lora
 from .multi_head_attention import MultiHeadAttention as MultiHeadAttention
 from .norm import GroupNorm as GroupNorm
+from .norm import InstanceNorm as InstanceNorm
 from .norm import LayerNorm as LayerNorm
 from .norm import RMSNorm as RMSNorm
 from .pool import avg_pool as avg_pool
 from .pool import max_pool as max_pool
 from .pool import min_pool as min_pool
+from .pool import pool as pool
 from .recurrent import RNN as RNN
 from .regularization import Dropout as Dropout
 from .regularization import dropout as dropout
 from .stack import Stack as Stack
+from .weight_normalization import SpectralNorm as SpectralNorm
+from .weight_normalization import WeightNorm as WeightNorm

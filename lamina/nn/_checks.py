@@ -205,22 +205,6 @@ def as_dtype(where: str, name: str, value: Any) -> np.dtype:
     return _core_as_dtype(value, where, name)
 
 
-def inexact_dtype(where: str, name: str, value: Any) -> np.dtype:
-    """Returns `value` as a floating or complex dtype; raises `TypeError` otherwise."""
-    dtype = as_dtype(where, name, value)
-    if not jnp.issubdtype(dtype, jnp.inexact):
-        raise TypeError(
-            f"{where}: {name} must be a floating dtype such as jnp.float32 or jnp.bfloat16, "
-            f"got {dtype}: weights and activations are real numbers."
-        )
-    return dtype
-
-
-def storage_dtype(where: str, param_dtype: Any, dtype: np.dtype) -> np.dtype:
-    """The storage dtype: `param_dtype` checked, or the compute `dtype` when it is None."""
-    return dtype if param_dtype is None else inexact_dtype(where, "param_dtype", param_dtype)
-
-
 def initializer(where: str, name: str, value: Any) -> Callable[..., Any]:
     """Returns `value`; raises `TypeError` unless it is a function ``init(key, shape, dtype)``."""
     if not callable(value):

@@ -1,8 +1,9 @@
-"""`Projection`: the projections of `MultiHeadAttention`, Flax Linen's ``DenseGeneral``.
+"""Flax Linen's ``DenseGeneral`` arithmetic and variables: `contract`, `declare`, `Projection`.
 
-A projection's kernel has several input or output axes (``(features, num_heads, head_dim)``
-for the queries, ``(num_heads, head_dim, out_features)`` for the output), and is initialised
-as Linen initialises it: as the matrix of those axes flattened, then reshaped.
+`DenseGeneral` and the projections of `MultiHeadAttention` (`Projection`, `dense_general`)
+share them. A projection's kernel has several input or output axes (``(features, num_heads,
+head_dim)`` for the queries, ``(num_heads, head_dim, out_features)`` for the output), and is
+initialised as Linen initialises it: as the matrix of those axes flattened, then reshaped.
 """
 
 from __future__ import annotations
@@ -20,6 +21,35 @@ from .._core.module import Module
 from .._core.variables import Initializer, Parameter
 
 
+@functools.partial(jax.jit, static_argnames=("axis", "n_batch", "dtype", "precision"))
+def contract(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None,
+    axis: tuple[int, ...],
+    n_batch: int,
+    dtype: Any,
+    precision: Any = None,
+) -> jax.Array:
+    """Linen's ``DenseGeneral``: contracts the `axis` of `x` with `kernel`, plus `bias`.
+
+    `kernel` is ``(*batch, *contracted, *features)``: its first `n_batch` axes pair with the
+    first `n_batch` axes of `x` (one kernel per batch entry), the next ``len(axis)`` are
+    contracted with the axes `axis` of `x` (non-negative, in the kernel's order). `bias` is
+    ``(*batch, *features)``. The output is ``(*batch, *other axes of x, *features)``; every
+    operand is cast to `dtype` first.
+    """
+    x, kernel = jnp.asarray(x, dtype), jnp.asarray(kernel, dtype)
+    batch = tuple(range(n_batch))
+    contracted = tuple(range(n_batch, n_batch + len(axis)))
+    y = lax.dot_general(x, kernel, ((axis, contracted), (batch, batch)), precision=precision)
+    if bias is not None:
+        ones = (1,) * (y.ndim - bias.ndim)
+        bias = jnp.asarray(bias, dtype)
+        y = y + jnp.reshape(bias, bias.shape[:n_batch] + ones + bias.shape[n_batch:])
+    return y
+
+
 @functools.partial(jax.jit, static_argnames=("n_contract", "dtype", "precision"))
 def dense_general(
     x: jax.Array,
@@ -32,14 +62,11 @@ def dense_general(
     """Contracts the last `n_contract` axes of `x` with the first ones of `kernel`, plus bias.
 
     Linen's ``DenseGeneral`` with ``axis=-1`` (``n_contract=1``, the q/k/v projections) or
-    ``axis=(-2, -1)`` (``n_contract=2``, the output projection).
+    ``axis=(-2, -1)`` (``n_contract=2``, the output projection): `contract` without batch
+    axes. Every operand is cast to `dtype`.
     """
-    x = jnp.asarray(x, dtype)
-    lhs = tuple(range(x.ndim - n_contract, x.ndim))
-    y = lax.dot_general(x, kernel, ((lhs, tuple(range(n_contract))), ((), ())), precision=precision)
-    if bias is not None:
-        y = y + jnp.reshape(bias, (1,) * (y.ndim - bias.ndim) + bias.shape)
-    return y
+    axis = tuple(range(x.ndim - n_contract, x.ndim))
+    return contract(x, kernel, bias, axis, 0, dtype, precision)
 
 
 class _Flattened2d:
@@ -74,6 +101,32 @@ class _Flattened2d:
         return f"{name} (as a {'matrix' if self.n_in else 'vector'})"
 
 
+def declare(
+    kernel_shape: tuple[int, ...],
+    bias_shape: tuple[int, ...],
+    n_in: int,
+    use_bias: bool,
+    kernel_init: Initializer,
+    bias_init: Initializer,
+    dtype: Any,
+    param_dtype: Any,
+    kernel_sharding: tuple[str | None, ...] | None = None,
+    bias_sharding: tuple[str | None, ...] | None = None,
+) -> tuple[Parameter, Parameter | None]:
+    """Linen's ``DenseGeneral`` variables: ``kernel``, and ``bias`` (None without `use_bias`).
+
+    The kernel's first `n_in` axes are its fan-in (batch and contracted axes), the rest its
+    fan-out: the initializers see the ``(prod(in), prod(out))`` matrix and the flat bias.
+    """
+    kernel = Parameter(
+        kernel_shape, _Flattened2d(kernel_init, n_in), dtype, param_dtype, sharding=kernel_sharding
+    )
+    if not use_bias:
+        return kernel, None
+    bias_init = _Flattened2d(bias_init, 0)
+    return kernel, Parameter(bias_shape, bias_init, dtype, param_dtype, sharding=bias_sharding)
+
+
 class Projection(Module):
     """The variables of one Linen ``DenseGeneral`` of the attention: ``kernel`` and ``bias``."""
 
@@ -89,11 +142,8 @@ class Projection(Module):
         param_dtype: Any,
     ):
         super().__init__()
-        self.kernel = Parameter(kernel_shape, _Flattened2d(kernel_init, n_in), dtype, param_dtype)
-        self.bias = (
-            Parameter(bias_shape, _Flattened2d(bias_init, 0), dtype, param_dtype)
-            if use_bias
-            else None
+        self.kernel, self.bias = declare(
+            kernel_shape, bias_shape, n_in, use_bias, kernel_init, bias_init, dtype, param_dtype
         )
 
     def arrays(self) -> tuple[jax.Array, jax.Array | None]:

@@ -1,8 +1,9 @@
-"""Attention functions: `dot_product_attention` and the masks it takes.
+"""Attention functions: `dot_product_attention`, its weights, and the masks it takes.
 
-The numerics and layouts are Flax Linen's (`dot_product_attention`, `make_attention_mask`,
-`make_causal_mask`, `combine_masks`). `MultiHeadAttention` projects its inputs to heads and
-calls the same kernel, `attention_kernel`.
+The numerics and layouts are Flax Linen's (`dot_product_attention`,
+`dot_product_attention_weights`, `make_attention_mask`, `make_causal_mask`, `combine_masks`).
+`MultiHeadAttention` projects its inputs to heads and calls `dot_product_attention` (its
+default ``attention_fn``).
 """
 
 from __future__ import annotations
@@ -14,27 +15,103 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._core.records import sow
+from .._core.rng import _is_key as is_key
 from .._core.rng import next_rng_key
-from . import _checks
+from . import _checks, _dtypes
 
 __all__ = [
     "combine_masks",
     "dot_product_attention",
+    "dot_product_attention_weights",
     "make_attention_mask",
     "make_causal_mask",
 ]
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "dropout_rate",
-        "broadcast_dropout",
-        "dtype",
-        "precision",
-        "force_fp32_for_softmax",
-    ),
+def _weights(
+    query: jax.Array,
+    key: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    dropout_rng: jax.Array | None,
+    dropout_rate: float,
+    broadcast_dropout: bool,
+    dtype: Any,
+    precision: Any,
+    force_fp32_for_softmax: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Linen's ``dot_product_attention_weights``: the weights, and the weights after dropout.
+
+    Every operand is cast to `dtype`; dropout only when `dropout_rng` is given.
+    """
+    query, key = jnp.asarray(query, dtype), jnp.asarray(key, dtype)
+    depth = query.shape[-1]
+    query = query / jnp.sqrt(jnp.asarray(depth, jnp.float32)).astype(dtype)
+    weights = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
+    if bias is not None:
+        weights = weights + jnp.broadcast_to(jnp.asarray(bias, dtype), weights.shape)
+    if mask is not None:
+        mask = jnp.broadcast_to(mask, weights.shape)
+        weights = jnp.where(mask, weights, jnp.asarray(jnp.finfo(dtype).min, dtype))
+    if force_fp32_for_softmax and dtype != jnp.float32:
+        weights = jax.nn.softmax(weights.astype(jnp.float32))
+    else:
+        weights = jax.nn.softmax(weights).astype(dtype)
+    dropped = weights
+    if dropout_rng is not None and dropout_rate > 0.0:
+        keep_prob = 1.0 - dropout_rate
+        if broadcast_dropout:  # one mask for every batch element and head, as Linen
+            shape = (1,) * (key.ndim - 2) + weights.shape[-2:]
+        else:
+            shape = weights.shape
+        keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+        multiplier = keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype)
+        dropped = weights * multiplier.astype(weights.dtype)
+    return weights, dropped
+
+
+_STATIC = (
+    "dropout_rate",
+    "broadcast_dropout",
+    "dtype",
+    "precision",
+    "force_fp32_for_softmax",
+    "with_weights",
 )
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def weights_kernel(
+    query: jax.Array,
+    key: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    dropout_rng: jax.Array | None,
+    dropout_rate: float,
+    broadcast_dropout: bool,
+    dtype: Any,
+    precision: Any,
+    force_fp32_for_softmax: bool,
+    with_weights: bool,
+) -> tuple[jax.Array, jax.Array | None]:
+    """The weights after dropout, and (`with_weights`) before it, for `lm.sow`."""
+    weights, dropped = _weights(
+        query,
+        key,
+        bias,
+        mask,
+        dropout_rng,
+        dropout_rate,
+        broadcast_dropout,
+        dtype,
+        precision,
+        force_fp32_for_softmax,
+    )
+    return dropped, weights if with_weights else None
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def attention_kernel(
     query: jax.Array,
     key: jax.Array,
@@ -47,37 +124,26 @@ def attention_kernel(
     dtype: Any,
     precision: Any,
     force_fp32_for_softmax: bool,
-) -> jax.Array:
-    """Linen's ``dot_product_attention`` of projected heads; dropout when `dropout_rng` is given.
-
-    The kernel of `dot_product_attention` and of `MultiHeadAttention`.
-    """
-    query, key, value = (jnp.asarray(a, dtype) for a in (query, key, value))
-    depth = query.shape[-1]
-    query = query / jnp.sqrt(jnp.asarray(depth, jnp.float32)).astype(dtype)
-    weights = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
-    if bias is not None:
-        weights = weights + jnp.broadcast_to(jnp.asarray(bias, dtype), weights.shape)
-    if mask is not None:
-        mask = jnp.broadcast_to(mask, weights.shape)
-        weights = jnp.where(mask, weights, jnp.finfo(dtype).min)
-    if force_fp32_for_softmax and dtype != jnp.float32:
-        weights = jax.nn.softmax(weights.astype(jnp.float32))
-    else:
-        weights = jax.nn.softmax(weights).astype(dtype)
-    if dropout_rng is not None and dropout_rate > 0.0:
-        keep_prob = 1.0 - dropout_rate
-        if broadcast_dropout:  # one mask for every batch element and head, as Linen
-            shape = (1,) * (key.ndim - 2) + weights.shape[-2:]
-        else:
-            shape = weights.shape
-        keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
-        multiplier = keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype)
-        weights = weights * multiplier.astype(weights.dtype)
+    with_weights: bool,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Linen's ``dot_product_attention``, and (`with_weights`) the weights before dropout."""
+    weights, dropped = _weights(
+        query,
+        key,
+        bias,
+        mask,
+        dropout_rng,
+        dropout_rate,
+        broadcast_dropout,
+        dtype,
+        precision,
+        force_fp32_for_softmax,
+    )
     # With force_fp32_for_softmax the weights stay float32 and so does the product (Linen's
-    # promotion); the output projection casts back to the compute dtype.
-    value = value.astype(weights.dtype)
-    return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
+    # promotion); MultiHeadAttention's output projection casts back to its compute dtype.
+    value = jnp.asarray(value, dtype).astype(dropped.dtype)
+    out = jnp.einsum("...hqk,...khd->...qhd", dropped, value, precision=precision)
+    return out, weights if with_weights else None
 
 
 @functools.partial(jax.jit, static_argnames=("pairwise_fn", "extra_batch_dims", "dtype"))
@@ -116,12 +182,14 @@ def dot_product_attention(
     dtype: Any = None,
     precision: Any = None,
     force_fp32_for_softmax: bool = False,
+    sow_weights: bool = False,
 ) -> jax.Array:
     """Scaled dot-product attention of heads already projected (Flax Linen's numerics).
 
     ``softmax(query @ key / sqrt(depth) + bias, masked) @ value`` per head: attention weights
     of shape ``(batch..., heads, q_length, kv_length)``, where the mask is False (zero) are
-    set to the dtype's lowest value before the softmax.
+    set to the dtype's lowest value before the softmax. It is `MultiHeadAttention`'s default
+    ``attention_fn``.
 
     Args:
         query: ``(batch..., q_length, num_heads, depth)``.
@@ -136,18 +204,26 @@ def dot_product_attention(
         dropout_rate: Probability of dropping an attention weight, in ``[0, 1)``.
         dropout_rng: Key for dropout; default ``lm.next_rng_key("dropout")`` (inside a call).
         broadcast_dropout: One dropout mask for all batch elements and heads (Linen's default).
-        dtype: Compute dtype; default: the dtype of `query`, `key` and `value`.
+        dtype: Compute dtype (every operand is cast to it); None (the default) infers it from
+            `query`, `key` and `value`, as Linen's ``promote_dtype``: bfloat16 stays bfloat16,
+            complex stays complex.
         precision: `jax.lax.Precision` of the two products.
         force_fp32_for_softmax: Compute the softmax (and the weighted sum) in float32 when
             `dtype` is lower, as Linen; the result is then float32.
+        sow_weights: Record the attention weights (before dropout) with
+            ``lm.sow("attention_weights", weights)`` under the calling module's path, as
+            Linen's ``module=``; they are kept when the caller of `apply` asks for
+            ``"intermediates"``. Only inside a module's method.
 
     Returns:
         ``(batch..., q_length, num_heads, v_depth)``.
 
     Raises:
         ValueError: Shapes that do not fit together, a mask or bias that does not broadcast,
-            a dropout rate outside ``[0, 1)``, or a non-floating dtype.
-        TypeError: A mask that is not boolean; `is_training` is not a Python bool.
+            or a dropout rate outside ``[0, 1)``.
+        TypeError: A mask that is not boolean; `is_training` is not a Python bool; a dtype
+            that is not floating or complex, or a real one for complex inputs; a
+            `dropout_rng` that is not a key.
 
     Example:
         >>> import jax.numpy as jnp, lamina as lm
@@ -157,43 +233,138 @@ def dot_product_attention(
         (2, 5, 4, 8)
     """
     where = "dot_product_attention"
+    _check_heads(where, jnp.shape(query), jnp.shape(key), jnp.shape(value))
+    options = _options(
+        where, query, key, value, mask, bias, is_training, dropout_rate, dropout_rng,
+        broadcast_dropout, dtype, precision, force_fp32_for_softmax, sow_weights,
+    )  # fmt: skip
+    out, weights = attention_kernel(query, key, value, **options)
+    if weights is not None:
+        sow("attention_weights", weights)
+    return out
+
+
+def dot_product_attention_weights(
+    query: jax.Array,
+    key: jax.Array,
+    *,
+    mask: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    is_training: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_rng: Any = None,
+    broadcast_dropout: bool = True,
+    dtype: Any = None,
+    precision: Any = None,
+    force_fp32_for_softmax: bool = False,
+    sow_weights: bool = False,
+) -> jax.Array:
+    """The attention weights of `dot_product_attention` (Flax Linen's numerics).
+
+    ``softmax(query @ key / sqrt(depth) + bias, masked)``, with dropout while training: what
+    `dot_product_attention` multiplies the values by.
+
+    Args:
+        query: ``(batch..., q_length, num_heads, depth)``.
+        key: ``(batch..., kv_length, num_heads, depth)``.
+        mask: As `dot_product_attention`'s: bool, True keeps a query-key pair.
+        bias: Added to the logits, as `dot_product_attention`'s.
+        is_training: Apply dropout to the weights (a Python bool).
+        dropout_rate: Probability of dropping a weight, in ``[0, 1)``.
+        dropout_rng: Key for dropout; default ``lm.next_rng_key("dropout")``.
+        broadcast_dropout: One dropout mask for all batch elements and heads.
+        dtype: Compute dtype; None infers it from `query` and `key` (Linen's default).
+        precision: `jax.lax.Precision` of the product.
+        force_fp32_for_softmax: Compute the softmax in float32 when `dtype` is lower.
+        sow_weights: Record the weights before dropout, as `dot_product_attention`'s.
+
+    Returns:
+        ``(batch..., num_heads, q_length, kv_length)``; each row sums to 1 (before dropout).
+
+    Raises:
+        ValueError: Shapes that do not fit together, a mask or bias that does not broadcast,
+            or a dropout rate outside ``[0, 1)``.
+        TypeError: A mask that is not boolean; `is_training` is not a Python bool; a dtype
+            that is not floating or complex, or a real one for complex inputs; a
+            `dropout_rng` that is not a key.
+
+    Example:
+        >>> import jax.numpy as jnp, lamina as lm
+        >>> q = k = jnp.ones((2, 5, 4, 8))  # (batch, length, heads, depth)
+        >>> weights = lm.dot_product_attention_weights(q, k)
+        >>> weights.shape, float(weights[0, 0, 0].sum())
+        ((2, 4, 5, 5), 1.0)
+    """
+    where = "dot_product_attention_weights"
+    _check_heads(where, jnp.shape(query), jnp.shape(key), None)
+    options = _options(
+        where, query, key, None, mask, bias, is_training, dropout_rate, dropout_rng,
+        broadcast_dropout, dtype, precision, force_fp32_for_softmax, sow_weights,
+    )  # fmt: skip
+    dropped, weights = weights_kernel(query, key, **options)
+    if weights is not None:
+        sow("attention_weights", weights)
+    return dropped
+
+
+def _options(
+    where: str,
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    bias: Any,
+    is_training: Any,
+    dropout_rate: Any,
+    dropout_rng: Any,
+    broadcast_dropout: Any,
+    dtype: Any,
+    precision: Any,
+    force_fp32_for_softmax: Any,
+    sow_weights: Any,
+) -> dict[str, Any]:
+    """Checks the options of the attention functions; returns the kernels' keyword arguments."""
     _checks.python_bool(where, is_training=is_training)
     dropout_rate = _checks.non_negative(where, "dropout_rate", dropout_rate, below=1.0)
-    broadcast_dropout = _checks.flag(where, "broadcast_dropout", broadcast_dropout)
-    force_fp32 = _checks.flag(where, "force_fp32_for_softmax", force_fp32_for_softmax)
-    precision = _checks.precision(where, precision)
-    q_shape, k_shape, v_shape = jnp.shape(query), jnp.shape(key), jnp.shape(value)
-    _check_heads(q_shape, k_shape, v_shape)
+    q_shape, k_shape = jnp.shape(query), jnp.shape(key)
     weights_shape = (*q_shape[:-3], q_shape[-2], q_shape[-3], k_shape[-3])
     if mask is not None:
         check_mask(where, mask)
         check_broadcast(where, "mask", jnp.shape(mask), weights_shape)
     if bias is not None:
         check_broadcast(where, "bias", jnp.shape(bias), weights_shape)
-    if dtype is None:
-        dtype = jnp.result_type(query, key, value)
-    dtype = _checks.as_dtype(where, "dtype", dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(
-            f"{where}: the compute dtype must be floating, got {dtype}; pass "
-            f"floating inputs or dtype=jnp.float32."
-        )
+    if dropout_rng is not None:
+        check_key(where, "dropout_rng", dropout_rng)
     rng = None
     if is_training and dropout_rate > 0.0:
         rng = next_rng_key("dropout") if dropout_rng is None else dropout_rng
-    return attention_kernel(
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        rng,
-        0.0 if rng is None else dropout_rate,  # one compiled program when not training
-        broadcast_dropout,
-        dtype,
-        precision,
-        force_fp32,
-    )
+    dtype = _dtypes.compute_dtype(where, _dtypes.layer_dtype(where, dtype), query, key, value)
+    return {
+        "bias": bias,
+        "mask": mask,
+        "dropout_rng": rng,
+        "dropout_rate": 0.0 if rng is None else dropout_rate,  # one program when not training
+        "broadcast_dropout": _checks.flag(where, "broadcast_dropout", broadcast_dropout),
+        "dtype": dtype,
+        "precision": _checks.precision(where, precision),
+        "force_fp32_for_softmax": _checks.flag(
+            where, "force_fp32_for_softmax", force_fp32_for_softmax
+        ),
+        "with_weights": _checks.flag(where, "sow_weights", sow_weights),
+    }
+
+
+def check_key(where: str, name: str, value: Any) -> None:
+    """Raises `TypeError` unless `value` is one PRNG key (typed, or a raw ``uint32`` one)."""
+    if not is_key(value):
+        got = type(value).__name__
+        if getattr(value, "dtype", None) is not None:
+            got = f"an array of dtype {value.dtype} and shape {tuple(jnp.shape(value))}"
+        raise TypeError(
+            f"{where}: {name} must be one PRNG key, jax.random.key(seed) (or "
+            f"jax.random.PRNGKey(seed)), got {got}. For a seed, pass jax.random.key(seed); "
+            f"to draw from the 'dropout' stream of apply's rngs, leave {name} out."
+        )
 
 
 def make_attention_mask(
@@ -307,18 +478,22 @@ def combine_masks(*masks: jax.Array | None, dtype: Any = jnp.bool_) -> jax.Array
     return _combine_masks(present, dtype)
 
 
-def _check_heads(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) -> None:
-    where = "dot_product_attention"
-    shapes = f"query {q}, key {k}, value {v}"
+def _check_heads(
+    where: str, q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...] | None
+) -> None:
+    """Raises unless query, key (and value, unless None) are heads that fit together."""
+    names, shapes = ("query, key and value", f"query {q}, key {k}, value {v}")
+    if v is None:
+        names, shapes, v = "query and key", f"query {q}, key {k}", k
     if not len(q) == len(k) == len(v) or len(q) < 3:
         raise ValueError(
-            f"{where}: query, key and value must have the same rank, at least 3 "
+            f"{where}: {names} must have the same rank, at least 3 "
             f"(batch..., length, num_heads, depth); got {shapes}."
         )
     if not q[:-3] == k[:-3] == v[:-3]:
-        raise ValueError(f"{where}: query, key and value must have the same batch axes; {shapes}.")
+        raise ValueError(f"{where}: {names} must have the same batch axes; {shapes}.")
     if not q[-2] == k[-2] == v[-2]:
-        raise ValueError(f"{where}: query, key and value must have the same num_heads; {shapes}.")
+        raise ValueError(f"{where}: {names} must have the same num_heads; {shapes}.")
     if q[-1] != k[-1]:
         raise ValueError(f"{where}: query and key must have the same depth (last axis); {shapes}.")
     if k[-3] != v[-3]:

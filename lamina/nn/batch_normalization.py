@@ -1,26 +1,45 @@
 """`BatchNorm`: normalisation with the batch's statistics, and their running averages.
 
-Numerically Flax Linen's ``BatchNorm``, with Linen's variables; the statistics and the
-normalisation are those of the other normalisation layers (`lamina.nn.norm`).
+Numerically Flax Linen's ``BatchNorm``, with Linen's options and variables; the statistics and
+the normalisation are those of the other normalisation layers (`lamina.nn.norm`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import initializers
 from .._core.variables import BatchStat, Initializer
-from . import _checks
-from .norm import Normalization, moments, normalize, promote
+from . import _checks, _dtypes
+from .norm import (
+    Normalization,
+    axes_setting,
+    check_mask,
+    moments,
+    normalize,
+    promote,
+    statistics_dtype,
+)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("is_training", "momentum", "epsilon", "dtype", "axis_name")
+    jax.jit,
+    static_argnames=(
+        "is_training",
+        "feature_axes",
+        "momentum",
+        "epsilon",
+        "dtype",
+        "stats_dtype",
+        "use_fast_variance",
+        "axis_name",
+    ),
 )
 def batch_norm(
     x: jax.Array,
@@ -28,72 +47,92 @@ def batch_norm(
     bias: jax.Array | None,
     mean: jax.Array,
     var: jax.Array,
+    mask: jax.Array | None = None,
     *,
     is_training: bool,
+    feature_axes: tuple[int, ...],
     momentum: float,
     epsilon: float,
     dtype: Any,
+    stats_dtype: Any,
+    use_fast_variance: bool = True,
     axis_name: Hashable | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """Batch normalisation over all axes but the last: returns ``(y, new_mean, new_var)``.
+    """Batch normalisation over all axes but `feature_axes`: returns ``(y, new_mean, new_var)``.
 
-    Training: normalises with the batch's statistics (averaged over the mapped `axis_name`
-    when given) and returns the running averages ``momentum * ra + (1 - momentum) * stat``.
-    Not training: normalises with the running averages `mean` and `var`; ``new_mean`` and
-    ``new_var`` are None.
+    Training: normalises with the batch's statistics (over `mask`'s True entries, averaged
+    over the mapped `axis_name` when given) and returns the running averages
+    ``momentum * ra + (1 - momentum) * stat``. Not training: normalises with the running
+    averages `mean` and `var`; ``new_mean`` and ``new_var`` are None. `feature_axes` are
+    non-negative and increasing; `mean` and `var` have their shape.
     """
     x = jnp.asarray(x)
-    feature_shape = (1,) * (x.ndim - 1) + (x.shape[-1],)
+    feature_shape = tuple(x.shape[a] if a in feature_axes else 1 for a in range(x.ndim))
     if not is_training:
-        y = normalize(
-            x,
-            jnp.reshape(mean, feature_shape),
-            jnp.reshape(var, feature_shape),
-            scale,
-            bias,
-            epsilon,
-            dtype,
-        )
-        return y, None, None
-    batch_mean, batch_var = moments(x, tuple(range(x.ndim - 1)), dtype, True, axis_name)
+        mean, var = jnp.reshape(mean, feature_shape), jnp.reshape(var, feature_shape)
+        return normalize(x, mean, var, scale, bias, feature_axes, epsilon, dtype), None, None
+    reduction = tuple(a for a in range(x.ndim) if a not in feature_axes)
+    batch_mean, batch_var = moments(
+        x,
+        reduction,
+        stats_dtype,
+        use_fast_variance=use_fast_variance,
+        mask=mask,
+        axis_name=axis_name,
+    )
     assert batch_mean is not None
-    y = normalize(x, batch_mean, batch_var, scale, bias, epsilon, dtype)
-    ra_dtype = promote(mean.dtype, batch_mean.dtype)
-    batch_mean = jnp.reshape(batch_mean, mean.shape).astype(ra_dtype)
-    batch_var = jnp.reshape(batch_var, var.shape).astype(ra_dtype)
-    new_mean = momentum * mean.astype(ra_dtype) + (1 - momentum) * batch_mean
-    new_var = momentum * var.astype(ra_dtype) + (1 - momentum) * batch_var
+    y = normalize(x, batch_mean, batch_var, scale, bias, feature_axes, epsilon, dtype)
+    new_mean = _average(mean, jnp.reshape(batch_mean, mean.shape), momentum)
+    new_var = _average(var, jnp.reshape(batch_var, var.shape), momentum)
     return y, new_mean, new_var
 
 
-class BatchNorm(Normalization):
-    """Batch normalisation over all axes but the last (the features), as Flax Linen's.
+def _average(running: jax.Array, batch: jax.Array, momentum: float) -> jax.Array:
+    """``momentum * running + (1 - momentum) * batch`` in the promotion of their dtypes."""
+    dtype = promote(running.dtype, batch.dtype)
+    return momentum * running.astype(dtype) + (1 - momentum) * batch.astype(dtype)
 
-    Called as ``bn(x, is_training)``. While training, `x` is normalised with the mean and
-    variance of the batch (every axis but the last) and the running averages are updated,
+
+class BatchNorm(Normalization):
+    """Batch normalisation over all axes but the features (the last), as Flax Linen's.
+
+    Called as ``bn(x, is_training, mask=None)``. While training, `x` is normalised with the
+    mean and variance of the batch (every axis but the feature axes; with a boolean `mask`
+    broadcastable to `x`, over its True entries only) and the running averages are updated,
     ``ra = momentum * ra + (1 - momentum) * batch_stat``; otherwise the running averages
     normalise `x` and nothing is written. Variables are Linen's: params ``scale`` and
-    ``bias``, and batch stats ``mean`` and ``var`` (collection ``"batch_stats"``, float32),
-    all of shape ``(size,)``.
+    ``bias``, and batch stats ``mean`` and ``var`` (collection ``"batch_stats"``), all of the
+    feature axes' shape, ``(size,)`` for one.
+
+    The running averages are stored in the dtype the statistics are computed in:
+    ``promote_types(float32, dtype)`` (``dtype``: `param_dtype` when `dtype` is None), so
+    float32 for bfloat16 or float32 layers; the mean of a complex layer is complex and its
+    variance real, as Linen's become.
 
     `is_training` must be a Python bool, because it decides whether state is written: under
     `jax.jit`, make it static (``jax.jit(step, static_argnames="is_training")``) or call
     ``apply`` with a literal ``True``/``False`` inside the jitted function.
 
     Args:
-        size: Size of the input's last axis.
+        size: Size of the feature axis, or a tuple of sizes, one per feature axis in the order
+            the axes have in the input.
         momentum: Decay of the running averages, in ``[0, 1]``.
         epsilon: Added to the variance before the square root.
         use_scale: Whether to multiply by a learned ``scale``.
         use_bias: Whether to add a learned ``bias``.
+        axis: The feature axes (Linen's name): an int or a tuple; every other axis is
+            reduced.
         axis_name: Name of a mapped axis (``jax.vmap``/``pmap``/``shard_map``) over which the
             batch statistics are averaged (``lax.pmean``), so that data-parallel replicas
             normalise with the statistics of the whole batch.
         scale_init: Initializer of the scale.
         bias_init: Initializer of the bias.
-        dtype: Output dtype; statistics are computed in at least float32.
-        param_dtype: Storage dtype of ``scale`` and ``bias`` (default: `dtype`), which are
-            also applied in it, as Linen does.
+        use_fast_variance: ``E[|x|^2] - |E[x]|^2`` in one pass (Linen's default); False
+            computes ``E[|x - E[x]|^2]``, precise for inputs far from zero.
+        dtype: Output dtype; None: the promotion of the input's, the scale's and the bias's
+            dtypes (Linen's default). Statistics are computed in at least float32.
+        param_dtype: Storage dtype of ``scale`` and ``bias`` (default: `dtype`, float32 when
+            `dtype` is None), which are also applied in it, as Linen does.
 
     Everything after `size` is keyword-only.
 
@@ -112,24 +151,32 @@ class BatchNorm(Normalization):
     """
 
     momentum = _checks.Setting()
+    axis = _checks.Setting()
     axis_name = _checks.Setting()
+
+    _features_option = "axis"
 
     def __init__(
         self,
-        size: int,
+        size: int | Sequence[int],
         *,
         momentum: float = 0.99,
         epsilon: float = 1e-5,
         use_scale: bool = True,
         use_bias: bool = True,
+        axis: int | Sequence[int] = -1,
         axis_name: Hashable | None = None,
         scale_init: Initializer = initializers.ones(),
         bias_init: Initializer = initializers.zeros(),
+        use_fast_variance: bool = True,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
+        where = type(self).__name__
+        self.axis = axes_setting(where, "axis", axis)
         super().__init__(
             size,
+            feature_axes=self.axis,
             epsilon=epsilon,
             use_scale=use_scale,
             use_bias=use_bias,
@@ -137,8 +184,8 @@ class BatchNorm(Normalization):
             bias_init=bias_init,
             dtype=dtype,
             param_dtype=param_dtype,
+            use_fast_variance=use_fast_variance,
         )
-        where = type(self).__name__
         self.momentum = _checks.non_negative(
             where,
             "momentum",
@@ -153,20 +200,36 @@ class BatchNorm(Normalization):
                 f"in jax.vmap(f, axis_name='batch')) or a tuple of names; got {axis_name!r}."
             )
         self.axis_name = axis_name
-        self.mean = BatchStat((self.size,), initializers.zeros(), jnp.float32)
-        self.var = BatchStat((self.size,), initializers.ones(), jnp.float32)
+        stats = statistics_dtype(self.param_dtype if self.dtype is None else self.dtype)
+        self.mean = BatchStat(self.feature_shape, initializers.zeros(), stats)
+        self.var = BatchStat(self.feature_shape, initializers.ones(), _real(stats))
 
-    def __call__(self, x: jax.Array, is_training: bool) -> jax.Array:
-        """Normalises `x` of shape ``(..., size)``; updates the averages if training."""
+    def _reduction_axes(self, shape: tuple[int, ...], features: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(a for a in range(len(shape)) if a not in features)
+
+    def __call__(
+        self, x: jax.Array, is_training: bool, *, mask: jax.Array | None = None
+    ) -> jax.Array:
+        """Normalises `x`; updates the running averages if training."""
         _checks.python_bool(type(self).__name__, is_training=is_training)
-        self._check_input(x)
-        if is_training and jnp.ndim(x) < 2:
+        reduction, features = self._axes(x)
+        if is_training and not reduction:
             raise ValueError(
                 f"{self._describe()} got an input of shape {jnp.shape(x)} while training: batch "
                 f"statistics need a batch axis, (batch..., {self.size}); a single example would "
                 f"be normalised to zeros. Add one: x[None]."
             )
+        mask = check_mask(self._describe, mask, tuple(jnp.shape(x)))
         scale, bias = self._scale_and_bias()
+        dtype = _dtypes.compute_dtype(self, self.dtype, x, scale, bias)
+        stats = statistics_dtype(jnp.result_type(x) if self.dtype is None else self.dtype)
+        if is_training and _is_complex(stats) and not _is_complex(self.mean.param_dtype):
+            raise TypeError(
+                f"{self._describe()} got a {jnp.result_type(x)} input, whose batch mean is "
+                f"complex, but stores its running mean as {self.mean.param_dtype}: the "
+                f"imaginary part would be lost. Build the layer with dtype={stats} (or "
+                f"param_dtype={stats} with dtype=None)."
+            )
         try:
             y, new_mean, new_var = batch_norm(
                 x,
@@ -174,10 +237,14 @@ class BatchNorm(Normalization):
                 bias,
                 self.mean.value,
                 self.var.value,
+                mask,
                 is_training=is_training,
+                feature_axes=features,
                 momentum=self.momentum,
                 epsilon=self.epsilon,
-                dtype=self.dtype,
+                dtype=dtype,
+                stats_dtype=stats,
+                use_fast_variance=self.use_fast_variance,
                 axis_name=self.axis_name if is_training else None,
             )
         except NameError as error:
@@ -194,3 +261,12 @@ class BatchNorm(Normalization):
             self.mean.value = new_mean
             self.var.value = new_var
         return y
+
+
+def _is_complex(dtype: Any) -> bool:
+    return bool(jnp.issubdtype(dtype, jnp.complexfloating))
+
+
+def _real(dtype: np.dtype) -> np.dtype:
+    """The real dtype of `dtype`'s parts (float32 for complex64); `dtype` itself if real."""
+    return np.dtype(jnp.finfo(dtype).dtype) if _is_complex(dtype) else dtype

@@ -1,12 +1,16 @@
-"""Recurrent cells: `LSTMCell`, `GRUCell`, `MGUCell`, `SimpleCell`, equal to Flax Linen's.
+"""Recurrent cells: `LSTMCell`, `OptimizedLSTMCell`, `GRUCell`, `MGUCell`, `SimpleCell`.
 
-The cells hold Linen's variables (one `Dense` per gate and source, named as Linen names
-them), so Linen's variables load directly. A cell computes one time step,
-``cell(carry, x) -> (new_carry, y)``; `RNN` runs it over a sequence.
+Each equals its Flax Linen namesake and holds Linen's variables (one `Dense` per gate and
+source, named as Linen names them), so Linen's variables load directly. A cell computes one
+time step, ``cell(carry, x) -> (new_carry, y)``; `RNN` runs it over a sequence.
 
-A step's arithmetic is a compiled kernel (`lstm_step`, `gru_step`, `mgu_step`,
-`simple_step`). `compiled_step` hands
-it to `RNN` with the cell's variables, so that the whole scan is one compiled function.
+A step's arithmetic is a compiled kernel (`lstm_step`, `fused_lstm_step`, `gru_step`,
+`mgu_step`, `simple_step`). `compiled_step` hands it to `RNN` with the cell's variables, so
+that the whole scan is one compiled function.
+
+Dtypes: the gates are computed in the cell's `dtype`, or with ``dtype=None`` in the promotion
+of the input, the carry and the variables (Linen's ``promote_dtype``); the carry keeps its own
+dtype (`param_dtype` from `initialize_carry`), as Linen's does under `RNN`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from .. import initializers
 from .._core.module import Module
 from .._core.variables import Initializer
 from ..activations import sigmoid, tanh
-from . import _checks
+from . import _checks, _dtypes
 from .linear import Dense, dense
 
 Carry = Any
@@ -46,14 +50,52 @@ def lstm_step(
 
     `weights` is ``(input_kernels, hidden_kernels, hidden_biases)``, each a tuple over the
     gates ``i, f, g, o``. Each gate is ``dense(x, W_i?) + dense(h, W_h?, b_h?)`` computed in
-    `dtype`; the cell update is computed in the carry's dtype (Linen's result under standard
-    promotion when the carry is float32 and `dtype` bfloat16), so the carry keeps its dtype.
+    `dtype`, then `lstm_update`.
     """
     c, h = carry
     z = [
         dense(x, wi, None, dtype) + dense(h, wh, bh, dtype)
         for wi, wh, bh in zip(*weights, strict=True)
     ]
+    return lstm_update(c, h, z, gate_fn, activation_fn)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "gate_fn", "activation_fn"))
+def fused_lstm_step(
+    carry: tuple[jax.Array, jax.Array],
+    x: jax.Array,
+    weights: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], tuple[jax.Array, ...]],
+    dtype: Any,
+    gate_fn: Callable[..., Any],
+    activation_fn: Callable[..., Any],
+) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """`lstm_step` with two matrix products instead of eight (Linen's `OptimizedLSTMCell`).
+
+    The same `weights`; the four input kernels are concatenated into one ``(in, 4 * hidden)``
+    kernel and the hidden kernels and biases likewise, so each step multiplies `x` and `h`
+    once. The concatenation does not depend on the step: inside `RNN`'s scan it is
+    loop-invariant, and XLA computes it once.
+    """
+    c, h = carry
+    input_kernels, hidden_kernels, hidden_biases = (jnp.concatenate(w, -1) for w in weights)
+    z = dense(h, hidden_kernels, hidden_biases, dtype) + dense(x, input_kernels, None, dtype)
+    return lstm_update(c, h, jnp.split(z, 4, axis=-1), gate_fn, activation_fn)
+
+
+def lstm_update(
+    c: jax.Array,
+    h: jax.Array,
+    z: Sequence[jax.Array],
+    gate_fn: Callable[..., Any],
+    activation_fn: Callable[..., Any],
+) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """The LSTM update from the gates' pre-activations ``z = (i, f, g, o)``: ``((c', h'), h')``.
+
+    ``c' = gate(f) c + gate(i) act(g)``, ``h' = gate(o) act(c')``; computed in the carry's
+    dtype (Linen's result under standard promotion when the carry is float32 and the gates
+    bfloat16), so the carry keeps its dtype. Shared by every LSTM cell (`ConvLSTMCell`
+    included).
+    """
     i, f, g, o = gate_fn(z[0]), gate_fn(z[1]), activation_fn(z[2]), gate_fn(z[3])
     cdt = c.dtype
     new_c = f.astype(cdt) * c + (i * g).astype(cdt)
@@ -141,7 +183,7 @@ def simple_step(
 class _Kernel:
     """A cell's step as a hashable static argument: ``step(weights, carry, x)``."""
 
-    fn: Callable[..., Any]  # lstm_step or gru_step
+    fn: Callable[..., Any]  # lstm_step, gru_step...
     settings: tuple[tuple[str, Any], ...]
 
     def __call__(self, weights: Any, carry: Carry, x: jax.Array) -> tuple[Carry, Any]:
@@ -169,8 +211,30 @@ def tree_shapes(tree: Any) -> Any:
     return jax.tree.map(lambda a: tuple(jnp.shape(a)), tree)
 
 
+def step_dtype(cell: Any, dtype: Any, carry: Carry, x: jax.Array, weights: Any) -> Any:
+    """The dtype a cell computes a step in: `dtype`, or the promotion of `x`, carry and weights.
+
+    Raises `TypeError` for a complex computation on a real carry (the carry keeps its dtype, so
+    the cast would drop the imaginary part) and, through `_dtypes.compute_dtype`, for a complex
+    input or variable under a real `dtype`.
+    """
+    leaves = jax.tree.leaves(carry)
+    result = _dtypes.compute_dtype(cell, dtype, x, *leaves, *jax.tree.leaves(weights))
+    if jnp.issubdtype(result, jnp.complexfloating):
+        for leaf in leaves:
+            if not jnp.issubdtype(jnp.result_type(leaf), jnp.complexfloating):
+                raise TypeError(
+                    f"{_dtypes._name(cell)} computes in {result} but got a "
+                    f"{jnp.result_type(leaf)} carry: the carry keeps its dtype, so the step "
+                    f"would drop the imaginary part. Start from a complex carry (build the cell "
+                    f"with param_dtype={result}, whose initialize_carry is complex, or cast "
+                    f"your initial carry)."
+                )
+    return result
+
+
 class _Cell(Module, abc.ABC):
-    """What `LSTMCell` and `GRUCell` share: settings, gate layers, checks and the call."""
+    """What the cells share: settings, gate layers, the dtype of a step, checks and the call."""
 
     num_feature_axes = 1  # the trailing axes that are features, not batch (as Linen's)
     _gates: tuple[str, ...] = ()
@@ -208,8 +272,8 @@ class _Cell(Module, abc.ABC):
         if gate_fn is not None:  # SimpleCell has no gates
             self.gate_fn = _checks.function(cls, "gate_fn", gate_fn, "lm.sigmoid")
         self.activation_fn = _checks.function(cls, "activation_fn", activation_fn, "lm.tanh")
-        self.dtype = _checks.inexact_dtype(cls, "dtype", dtype)
-        self.param_dtype = _checks.storage_dtype(cls, param_dtype, self.dtype)
+        self.dtype = _dtypes.layer_dtype(cls, dtype)
+        self.param_dtype = _dtypes.storage_dtype(cls, param_dtype, self.dtype)
         kernel_init = _checks.initializer(cls, "kernel_init", kernel_init)
         recurrent_kernel_init = _checks.initializer(
             cls, "recurrent_kernel_init", recurrent_kernel_init
@@ -249,12 +313,8 @@ class _Cell(Module, abc.ABC):
             )
             setattr(self, f"{source}{gate}", layer)
 
-    def _settings(self) -> tuple[tuple[str, Any], ...]:
-        return (
-            ("dtype", self.dtype),
-            ("gate_fn", self.gate_fn),
-            ("activation_fn", self.activation_fn),
-        )
+    def _settings(self, dtype: Any) -> tuple[tuple[str, Any], ...]:
+        return (("dtype", dtype), ("gate_fn", self.gate_fn), ("activation_fn", self.activation_fn))
 
     def _describe(self) -> str:
         return f"{type(self).__name__}(in_size={self.in_size}, hidden_size={self.hidden_size})"
@@ -272,14 +332,20 @@ class _Cell(Module, abc.ABC):
         """The arrays the step kernel takes, read from the gate layers."""
 
     @abc.abstractmethod
-    def _kernel(self) -> _Kernel:
-        """The jitted step function with this cell's settings."""
+    def _kernel(self, dtype: Any) -> _Kernel:
+        """The jitted step function with this cell's settings, computing in `dtype`."""
+
+    def _compiled(self, carry: Carry, x: jax.Array) -> tuple[Any, _Kernel]:
+        """The weights and the step for this carry and input (their dtypes decide `dtype`)."""
+        weights = self._weights()
+        return weights, self._kernel(step_dtype(self, self.dtype, carry, x, weights))
 
     def __call__(self, carry: Carry, x: jax.Array) -> tuple[Carry, jax.Array]:
         """One step: ``(new_carry, y)`` for the carry and `x` of shape ``(*batch, in_size)``."""
         shape = _checks.check_last_axis(self._describe, x, self.in_size, "in_size")
         self._check_carry(carry, shape[:-1])
-        return self._kernel()(self._weights(), carry, x)
+        weights, kernel = self._compiled(carry, x)
+        return kernel(weights, carry, x)
 
     def _check_carry(self, carry: Any, batch: tuple[int, ...]) -> None:
         expected = self._carry_shapes(batch)
@@ -323,9 +389,11 @@ class LSTMCell(_Cell):
         kernel_init: Initializer of the input kernels.
         recurrent_kernel_init: Initializer of the hidden kernels.
         bias_init: Initializer of the biases.
-        dtype: Compute dtype.
+        dtype: Compute dtype of the gates; None infers it from the input, the carry and
+            the variables (Linen's ``promote_dtype``).
         param_dtype: Storage dtype of the variables and dtype of `initialize_carry`'s carry
-            (default: `dtype`).
+            (default: `dtype`,
+            float32 when `dtype` is None).
 
     Everything after `hidden_size` is keyword-only. Linen's ``features`` is `hidden_size`;
     `in_size` is declared here because lamina does not infer shapes.
@@ -398,8 +466,37 @@ class LSTMCell(_Cell):
             tuple(d.bias.value for d in hid),
         )
 
-    def _kernel(self) -> _Kernel:
-        return _Kernel(lstm_step, self._settings())
+    def _kernel(self, dtype: Any) -> _Kernel:
+        return _Kernel(lstm_step, self._settings(dtype))
+
+
+class OptimizedLSTMCell(LSTMCell):
+    r"""`LSTMCell` with its gates' matrix products fused, as Flax Linen's `OptimizedLSTMCell`.
+
+    The same cell, variables and numbers as `LSTMCell` (Linen's two cells have the same
+    variables too, and the same initial values from the same key): each step concatenates the
+    four input kernels into one ``(in_size, 4 * hidden_size)`` kernel and the four hidden
+    kernels and biases likewise, and multiplies the input and the hidden state once each
+    instead of four times (see `fused_lstm_step`). Linen recommends it for hidden sizes up to
+    about 2048; time both on your shapes (``benchmarks/lstm_cells.py``).
+
+    Arguments, carry and outputs are `LSTMCell`'s.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> cell = lm.OptimizedLSTMCell(3, 4)
+        >>> init, apply = lm.transform(cell)
+        >>> variables = init(jax.random.key(0))
+        >>> sorted(variables["params"]) == sorted(lm.transform(lm.LSTMCell(3, 4)).init(
+        ...     jax.random.key(0))["params"])
+        True
+        >>> (c, h), y = apply(variables, None, cell.initialize_carry((2,)), jnp.ones((2, 3)))[0]
+        >>> y.shape
+        (2, 4)
+    """
+
+    def _kernel(self, dtype: Any) -> _Kernel:
+        return _Kernel(fused_lstm_step, self._settings(dtype))
 
 
 class _HiddenStateCell(_Cell):
@@ -446,9 +543,11 @@ class GRUCell(_HiddenStateCell):
         kernel_init: Initializer of the input kernels.
         recurrent_kernel_init: Initializer of the hidden kernels.
         bias_init: Initializer of the biases.
-        dtype: Compute dtype.
+        dtype: Compute dtype of the gates; None infers it from the input, the carry and
+            the variables (Linen's ``promote_dtype``).
         param_dtype: Storage dtype of the variables and dtype of `initialize_carry`'s carry
-            (default: `dtype`).
+            (default: `dtype`,
+            float32 when `dtype` is None).
 
     Everything after `hidden_size` is keyword-only. Linen's ``features`` is `hidden_size`;
     `in_size` is declared here because lamina does not infer shapes.
@@ -505,8 +604,8 @@ class GRUCell(_HiddenStateCell):
             self.hn.bias.value,
         )
 
-    def _kernel(self) -> _Kernel:
-        return _Kernel(gru_step, self._settings())
+    def _kernel(self, dtype: Any) -> _Kernel:
+        return _Kernel(gru_step, self._settings(dtype))
 
 
 class MGUCell(_HiddenStateCell):
@@ -533,9 +632,11 @@ class MGUCell(_HiddenStateCell):
         forget_bias_init: Initializer of ``b_{if}`` (ones, as Linen: a gate that starts
             half open keeps gradients alive).
         activation_bias_init: Initializer of ``b_{in}`` and ``b_{hn}``.
-        dtype: Compute dtype.
+        dtype: Compute dtype of the gates; None infers it from the input, the carry and
+            the variables (Linen's ``promote_dtype``).
         param_dtype: Storage dtype of the variables and of `initialize_carry`'s carry
-            (default: `dtype`).
+            (default: `dtype`,
+            float32 when `dtype` is None).
         reset_gate: Whether ``f`` gates the recurrent term of ``n``.
 
     Everything after `hidden_size` is keyword-only.
@@ -601,11 +702,11 @@ class MGUCell(_HiddenStateCell):
             None if n_h.bias is None else n_h.bias.value,
         )
 
-    def _settings(self) -> tuple[tuple[str, Any], ...]:
-        return (*super()._settings(), ("reset_gate", self.reset_gate))
+    def _settings(self, dtype: Any) -> tuple[tuple[str, Any], ...]:
+        return (*super()._settings(dtype), ("reset_gate", self.reset_gate))
 
-    def _kernel(self) -> _Kernel:
-        return _Kernel(mgu_step, self._settings())
+    def _kernel(self, dtype: Any) -> _Kernel:
+        return _Kernel(mgu_step, self._settings(dtype))
 
 
 class SimpleCell(_HiddenStateCell):
@@ -625,9 +726,11 @@ class SimpleCell(_HiddenStateCell):
         kernel_init: Initializer of the input kernel.
         recurrent_kernel_init: Initializer of the hidden kernel.
         bias_init: Initializer of the bias.
-        dtype: Compute dtype.
+        dtype: Compute dtype of the gates; None infers it from the input, the carry and
+            the variables (Linen's ``promote_dtype``).
         param_dtype: Storage dtype of the variables and of `initialize_carry`'s carry
-            (default: `dtype`).
+            (default: `dtype`,
+            float32 when `dtype` is None).
         residual: Adds ``h`` before the activation (a pre-activation residual).
 
     Everything after `hidden_size` is keyword-only.
@@ -680,15 +783,15 @@ class SimpleCell(_HiddenStateCell):
     def _weights(self) -> Any:
         return (self.i.kernel.value, self.i.bias.value, self.h.kernel.value)
 
-    def _settings(self) -> tuple[tuple[str, Any], ...]:
+    def _settings(self, dtype: Any) -> tuple[tuple[str, Any], ...]:
         return (
-            ("dtype", self.dtype),
+            ("dtype", dtype),
             ("activation_fn", self.activation_fn),
             ("residual", self.residual),
         )
 
-    def _kernel(self) -> _Kernel:
-        return _Kernel(simple_step, self._settings())
+    def _kernel(self, dtype: Any) -> _Kernel:
+        return _Kernel(simple_step, self._settings(dtype))
 
 
 def carry_shapes(cell: Any, batch: tuple[int, ...]) -> Any:
@@ -698,12 +801,15 @@ def carry_shapes(cell: Any, batch: tuple[int, ...]) -> Any:
     return tree_shapes(jax.eval_shape(lambda: cell.initialize_carry(batch)))
 
 
-def compiled_step(cell: Module) -> tuple[Any, Callable[..., Any]] | None:
-    """The variables' values and the step of an `LSTMCell` or `GRUCell` (None for other cells).
+def compiled_step(
+    cell: Module, carry: Carry, x: jax.Array
+) -> tuple[Any, Callable[..., Any]] | None:
+    """The variables' values and the step of one of this file's cells (None for other cells).
 
     Inside a call: the step is a hashable ``step(weights, carry, x)``, for a compiled function
-    to take as a static argument with the weights as an argument.
+    to take as a static argument with the weights as an argument; it computes in the dtype the
+    cell would for `carry` and `x` (an input of one step, or the whole sequence).
     """
     if isinstance(cell, _Cell):
-        return cell._weights(), cell._kernel()
+        return cell._compiled(carry, x)
     return None

@@ -1,4 +1,4 @@
-"""Convolutions: `Conv` and `ConvTranspose`, channels last, over 1, 2 or 3 spatial axes."""
+"""Convolutions: `Conv`, `ConvTranspose` and `ConvLocal`, channels last, over 1-3 spatial axes."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .. import initializers
 from .._core.module import Module
 from .._core.variables import Initializer, Parameter
-from . import _checks
+from . import _checks, _dtypes
 
 PaddingLike = str | int | Sequence[int | Sequence[int]]
 # What the kernels receive: a padding name, or one (low, high) pair per spatial axis.
@@ -38,49 +39,137 @@ def _flatten_batch(x: jax.Array, num_spatial: int) -> tuple[jax.Array, tuple[int
 
 
 def _add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
+    # A bias of the output channels, or (a local convolution's) of every output position.
     if bias is None:
         return y
-    return y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    return y + jnp.reshape(bias, (1,) * (y.ndim - bias.ndim) + bias.shape)
+
+
+def _masked(kernel: jax.Array, mask: jax.Array | None, dtype: Any) -> jax.Array:
+    # Linen's ``kernel * mask`` (in their promoted dtype), then the cast to the compute dtype.
+    if mask is None:
+        return jnp.asarray(kernel, dtype)
+    wide = _dtypes.compute_dtype("mask", None, kernel, mask)
+    return jnp.asarray(kernel.astype(wide) * mask.astype(wide), dtype)
+
+
+def _pad(
+    x: jax.Array,
+    window: tuple[int, ...],
+    strides: tuple[int, ...],
+    padding: CanonicalPadding,
+    dilation: tuple[int, ...],
+    input_dilation: tuple[int, ...] | None,
+) -> tuple[jax.Array, CanonicalPadding]:
+    """Pads `x` for the paddings that lax lacks (Linen's way); returns it and lax's padding.
+
+    With an input dilation, lax takes only explicit pairs: a name is turned into the pairs it
+    means for the dilated input (Linen raises there).
+    """
+    if padding in ("CIRCULAR", "REFLECT"):
+        spans = [(k - 1) * d + 1 for k, d in zip(window, dilation, strict=True)]
+        pads = [(0, 0), *(((w - 1) // 2, w // 2) for w in spans), (0, 0)]
+        x, padding = jnp.pad(x, pads, mode="wrap" if padding == "CIRCULAR" else "reflect"), "VALID"
+    elif padding == "CAUSAL":
+        x, padding = jnp.pad(x, [(0, 0), (dilation[0] * (window[0] - 1), 0), (0, 0)]), "VALID"
+    if isinstance(padding, str) and input_dilation and any(d != 1 for d in input_dilation):
+        sizes = [(n - 1) * d + 1 for n, d in zip(x.shape[1:-1], input_dilation, strict=True)]
+        spans = [(k - 1) * d + 1 for k, d in zip(window, dilation, strict=True)]
+        pads = lax.padtype_to_pads(sizes, spans, strides, padding)
+        padding = tuple((int(lo), int(hi)) for lo, hi in pads)
+    return x, padding
 
 
 @functools.partial(
-    jax.jit, static_argnames=("dtype", "strides", "padding", "dilation", "groups", "precision")
+    jax.jit,
+    static_argnames=(
+        "dtype",
+        "strides",
+        "padding",
+        "dilation",
+        "input_dilation",
+        "groups",
+        "precision",
+    ),
 )
 def conv(
     x: jax.Array,
     kernel: jax.Array,
     bias: jax.Array | None,
+    mask: jax.Array | None,
     dtype: Any,
     strides: tuple[int, ...],
     padding: CanonicalPadding,
     dilation: tuple[int, ...],
+    input_dilation: tuple[int, ...] | None = None,
     groups: int = 1,
     precision: Any = None,
 ) -> jax.Array:
     """Convolves `x` (``(*batch, *spatial, in)``) with `kernel` (``(*window, in // groups, out)``).
 
     `padding` is ``"SAME"``, ``"VALID"``, ``"CIRCULAR"``, ``"REFLECT"``, ``"CAUSAL"`` (1-D) or
-    one ``(low, high)`` pair per spatial axis; the arithmetic is Flax Linen's ``Conv``.
+    one ``(low, high)`` pair per spatial axis; `mask` (None, or the kernel's shape) multiplies
+    the kernel; `input_dilation` dilates `x` (None: 1). The arithmetic is Flax Linen's ``Conv``.
     """
-    num_spatial = kernel.ndim - 2
-    x, batch_shape = _flatten_batch(jnp.asarray(x, dtype), num_spatial)
-    kernel = jnp.asarray(kernel, dtype)
-    if padding in ("CIRCULAR", "REFLECT"):
-        window = [(k - 1) * d + 1 for k, d in zip(kernel.shape[:-2], dilation, strict=True)]
-        pads = [(0, 0), *(((w - 1) // 2, w // 2) for w in window), (0, 0)]
-        x = jnp.pad(x, pads, mode="wrap" if padding == "CIRCULAR" else "reflect")
-        padding = "VALID"
-    elif padding == "CAUSAL":
-        x = jnp.pad(x, [(0, 0), (dilation[0] * (kernel.shape[0] - 1), 0), (0, 0)])
-        padding = "VALID"
+    window = kernel.shape[:-2]
+    x, batch_shape = _flatten_batch(jnp.asarray(x, dtype), len(window))
+    x, padding = _pad(x, window, strides, padding, dilation, input_dilation)
     y = lax.conv_general_dilated(
         x,
-        kernel,
+        _masked(kernel, mask, dtype),
         strides,
         padding,
+        lhs_dilation=input_dilation,
         rhs_dilation=dilation,
         dimension_numbers=_dimension_numbers(x.ndim),
         feature_group_count=groups,
+        precision=precision,
+    )
+    y = _add_bias(y, None if bias is None else jnp.asarray(bias, dtype))
+    return jnp.reshape(y, batch_shape + y.shape[1:])
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "dtype",
+        "window",
+        "strides",
+        "padding",
+        "dilation",
+        "input_dilation",
+        "precision",
+    ),
+)
+def conv_local(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    dtype: Any,
+    window: tuple[int, ...],
+    strides: tuple[int, ...],
+    padding: CanonicalPadding,
+    dilation: tuple[int, ...],
+    input_dilation: tuple[int, ...] | None = None,
+    precision: Any = None,
+) -> jax.Array:
+    """The unshared convolution of `x` (``(*batch, *spatial, in)``), Flax Linen's ``ConvLocal``.
+
+    `kernel` is ``(*out_spatial, prod(window) * in, out)``, one matrix per output position;
+    `bias` is ``(*out_spatial, out)``. The other arguments are `conv`'s.
+    """
+    x, batch_shape = _flatten_batch(jnp.asarray(x, dtype), len(window))
+    x, padding = _pad(x, window, strides, padding, dilation, input_dilation)
+    y = lax.conv_general_dilated_local(
+        x,
+        _masked(kernel, mask, dtype),
+        strides,
+        padding,
+        window,
+        lhs_dilation=input_dilation,
+        rhs_dilation=dilation,
+        dimension_numbers=_dimension_numbers(x.ndim),
         precision=precision,
     )
     y = _add_bias(y, None if bias is None else jnp.asarray(bias, dtype))
@@ -95,6 +184,7 @@ def conv_transpose(
     x: jax.Array,
     kernel: jax.Array,
     bias: jax.Array | None,
+    mask: jax.Array | None,
     dtype: Any,
     strides: tuple[int, ...],
     padding: CanonicalPadding,
@@ -105,14 +195,14 @@ def conv_transpose(
     """The transposed convolution of `x` (``(*batch, *spatial, in)``), as Linen computes it.
 
     `kernel` is ``(*window, in, out)``, or ``(*window, out, in)`` with `transpose_kernel`;
-    `padding` is ``"SAME"``, ``"VALID"``, ``"CIRCULAR"`` or one ``(low, high)`` pair per axis.
+    `mask` (None, or the kernel's shape) multiplies it; `padding` is ``"SAME"``, ``"VALID"``,
+    ``"CIRCULAR"`` or one ``(low, high)`` pair per axis.
     """
     num_spatial = kernel.ndim - 2
     x, batch_shape = _flatten_batch(jnp.asarray(x, dtype), num_spatial)
-    kernel = jnp.asarray(kernel, dtype)
     y = lax.conv_transpose(
         x,
-        kernel,
+        _masked(kernel, mask, dtype),
         strides,
         "VALID" if padding == "CIRCULAR" else padding,
         rhs_dilation=dilation,
@@ -140,8 +230,29 @@ def _layer_name(layer: str, in_size: Any, out_size: Any, kernel_size: Any) -> st
     return f"{layer}(in_size={in_size!r}, out_size={out_size!r}, kernel_size={kernel_size!r})"
 
 
+def _mask(where: str, value: Any, shape: tuple[int, ...]) -> jax.Array | None:
+    """`mask` as a (concrete, immutable) array of the kernel's `shape`, or None."""
+    if value is None:
+        return None
+    try:
+        mask = np.array(value)
+    except Exception:  # a tracer, or something that is no array
+        mask = None
+    if mask is None or not (mask.dtype == np.bool_ or jnp.issubdtype(mask.dtype, jnp.number)):
+        raise TypeError(
+            f"{where}: mask must be a concrete array of numbers or booleans of the kernel's "
+            f"shape {shape} (it multiplies the kernel), got {type(value).__name__} {value!r}."
+        )
+    if mask.shape != shape:
+        raise ValueError(
+            f"{where}: mask has shape {mask.shape} but the kernel has shape {shape}; the mask "
+            f"multiplies the kernel, so give it the kernel's shape."
+        )
+    return jnp.asarray(mask)  # immutable (a NumPy array would be copied writeable)
+
+
 class _Convolution(Module):
-    """What `Conv` and `ConvTranspose` share: their settings, their weights, and the checks."""
+    """What the convolutions share: their settings, their weights, and the checks."""
 
     in_size = _checks.Setting()
     out_size = _checks.Setting()
@@ -150,6 +261,7 @@ class _Convolution(Module):
     padding = _checks.Setting()
     dilation = _checks.Setting()
     use_bias = _checks.Setting()
+    mask = _checks.Setting()
     dtype = _checks.Setting()
     param_dtype = _checks.Setting()
     precision = _checks.Setting()
@@ -176,8 +288,10 @@ class _Convolution(Module):
 
     def _declare_weights(
         self,
-        channels: tuple[int, int],
+        kernel_shape: tuple[int, ...],
+        bias_shape: tuple[int, ...],
         use_bias: Any,
+        mask: Any,
         kernel_init: Any,
         bias_init: Any,
         dtype: Any,
@@ -186,34 +300,49 @@ class _Convolution(Module):
         kernel_sharding: Any,
         bias_sharding: Any,
     ) -> None:
-        """Declares ``kernel`` (``kernel_size + channels``) and, with `use_bias`, ``bias``."""
+        """Declares ``kernel`` and, with `use_bias`, ``bias``; checks the `mask` of the kernel."""
         where = self._describe()
         self.use_bias = _checks.flag(where, "use_bias", use_bias)
-        self.dtype = _checks.inexact_dtype(where, "dtype", dtype)
-        self.param_dtype = _checks.storage_dtype(where, param_dtype, self.dtype)
+        self.mask = _mask(where, mask, kernel_shape)
+        self.dtype = _dtypes.layer_dtype(where, dtype)
+        self.param_dtype = _dtypes.storage_dtype(where, param_dtype, self.dtype)
         self.precision = _checks.precision(where, precision)
-        shape = (*self.kernel_size, *channels)
         self.kernel = Parameter(
-            shape,
+            kernel_shape,
             _checks.initializer(where, "kernel_init", kernel_init),
             self.dtype,
             self.param_dtype,
-            sharding=_checks.sharding(where, "kernel_sharding", kernel_sharding, len(shape)),
+            sharding=_checks.sharding(where, "kernel_sharding", kernel_sharding, len(kernel_shape)),
         )
         bias_init = _checks.initializer(where, "bias_init", bias_init)
-        bias_sharding = _checks.sharding(where, "bias_sharding", bias_sharding, 1)
+        bias_sharding = _checks.sharding(where, "bias_sharding", bias_sharding, len(bias_shape))
         self.bias = (
-            Parameter(
-                (self.out_size,), bias_init, self.dtype, self.param_dtype, sharding=bias_sharding
-            )
+            Parameter(bias_shape, bias_init, self.dtype, self.param_dtype, sharding=bias_sharding)
             if self.use_bias
             else None
         )
 
+    def _weights(self, x: Any) -> tuple[jax.Array, jax.Array | None, Any]:
+        """The kernel and bias values, and the compute dtype.
+
+        With ``dtype=None``, the promotion of the input, the variables and the mask: Linen
+        promotes ``kernel * mask``.
+        """
+        kernel = self.kernel.value
+        bias = self.bias.value if self.bias is not None else None
+        return kernel, bias, _dtypes.compute_dtype(self, self.dtype, x, kernel, bias, self.mask)
+
     def _describe(self) -> str:
         return _layer_name(type(self).__name__, self.in_size, self.out_size, self.kernel_size)
 
-    def _check_input(self, x: Any, *, transposed: bool = False) -> None:
+    def _check_input(
+        self,
+        x: Any,
+        *,
+        input_dilation: tuple[int, ...] | None = None,
+        transposed: bool = False,
+        spatial_shape: tuple[int, ...] | None = None,
+    ) -> None:
         shape, n = tuple(jnp.shape(x)), len(self.kernel_size)
         if len(shape) < n + 1:
             axes = ", ".join(["spatial"] * n)
@@ -224,8 +353,23 @@ class _Convolution(Module):
             )
         hint = "Inputs are channels last."
         _checks.check_last_axis(self._describe, x, self.in_size, "in_size", hint=hint)
+        spatial = shape[-n - 1 : -1]
+        if spatial_shape is not None and spatial != spatial_shape:
+            raise ValueError(
+                f"{self._describe()} got an input of shape {shape}: its spatial axes must have "
+                f"the sizes spatial_shape={spatial_shape} that the layer's weights (one kernel "
+                f"per output position) were built for, got {spatial}. Pass inputs of those "
+                f"sizes, or build a layer for these."
+            )
         if not transposed:
             where = self._describe()
+            if input_dilation and input_dilation != (1,) * n:
+                # The window must fit the dilated input: (size - 1) * input_dilation + 1.
+                where = f"{where} (input_dilation={input_dilation} dilates the input)"
+                dilated = (
+                    max(0, (m - 1) * d + 1) for m, d in zip(spatial, input_dilation, strict=True)
+                )
+                shape = (*shape[: -n - 1], *dilated, shape[-1])
             _checks.check_window_fits(where, shape, self.kernel_size, self.dilation, self.padding)
             return
         # A transposed convolution of a non-empty input is non-empty, except with explicit
@@ -233,7 +377,6 @@ class _Convolution(Module):
         _checks.check_window_fits(self._describe(), shape, self.kernel_size, self.dilation, "SAME")
         if isinstance(self.padding, str):
             return
-        spatial = shape[-n - 1 : -1]
         for axis, (size, k, s, d, (lo, hi)) in enumerate(
             zip(spatial, self.kernel_size, self.strides, self.dilation, self.padding, strict=True)
         ):
@@ -263,21 +406,29 @@ class Conv(_Convolution):
         padding: ``"SAME"``, ``"VALID"``, ``"CIRCULAR"`` (periodic), ``"REFLECT"``,
             ``"CAUSAL"`` (1-D, left padding only), an int for every side, or one entry per
             spatial axis, each an int or a ``(low, high)`` pair. Strings are case-insensitive.
-        dilation: Kernel dilation (atrous convolution): an int or one per axis.
+        input_dilation: Input dilation (``lhs_dilation``): an int or one per axis; ``d``
+            inserts ``d - 1`` zeros between the input's positions, as a transposed convolution
+            with stride ``d`` does.
+        dilation: Kernel dilation (atrous convolution, Linen's ``kernel_dilation``): an int or
+            one per axis.
         groups: Number of feature groups (Linen's ``feature_group_count``); must divide
             `in_size` and `out_size`. ``groups=in_size`` is a depthwise convolution.
         use_bias: Whether to add a bias.
+        mask: An array of the kernel's shape that multiplies the kernel at every call (a masked
+            convolution, e.g. PixelCNN's); a constant, not a variable. None: no mask.
         kernel_init: Initializer of the kernel.
         bias_init: Initializer of the bias.
-        dtype: Compute dtype (the input, kernel and bias are cast to it).
-        param_dtype: Storage dtype of the variables (default: `dtype`).
+        dtype: Compute dtype (the input, kernel and bias are cast to it); None infers it from
+            the input, the variables and the mask, as Linen's ``promote_dtype``.
+        param_dtype: Storage dtype of the variables (default: `dtype`, float32 when `dtype`
+            is None).
         precision: `jax.lax.Precision` of the convolution.
         kernel_sharding: Logical axis names of the kernel, one per dimension.
         bias_sharding: Logical axis name of the bias, e.g. ``("mlp",)``.
 
     Everything after `kernel_size` is keyword-only, and the settings are read-only once the
-    layer is built. A ``"VALID"`` (or explicitly padded) window larger than the input is an
-    error, not an empty output.
+    layer is built. A ``"VALID"`` (or explicitly padded) window larger than the (dilated)
+    input is an error, not an empty output.
 
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
@@ -287,9 +438,19 @@ class Conv(_Convolution):
         {'params': {'bias': (32,), 'kernel': (3, 3, 1, 32)}}
         >>> apply(variables, None, jnp.ones((8, 28, 28, 1)))[0].shape
         (8, 28, 28, 32)
+
+        A causal 1-D convolution by a mask, and an input dilation:
+
+        >>> mask = jnp.ones((3, 2, 4)).at[2].set(0)  # never the window's last position
+        >>> layer = lm.Conv(2, 4, 3, padding="VALID", mask=mask, input_dilation=2)
+        >>> y, _ = lm.transform(layer).apply(lm.transform(layer).init(jax.random.key(0)),
+        ...                                  None, jnp.ones((1, 5, 2)))
+        >>> y.shape  # 5 positions dilated to 9, then a VALID window of 3
+        (1, 7, 4)
     """
 
     groups = _checks.Setting()
+    input_dilation = _checks.Setting()
 
     def __init__(
         self,
@@ -299,9 +460,11 @@ class Conv(_Convolution):
         *,
         strides: int | Sequence[int] = 1,
         padding: PaddingLike = "SAME",
+        input_dilation: int | Sequence[int] = 1,
         dilation: int | Sequence[int] = 1,
         groups: int = 1,
         use_bias: bool = True,
+        mask: Any = None,
         kernel_init: Initializer = initializers.lecun_normal(),
         bias_init: Initializer = initializers.zeros(),
         dtype: Any = jnp.float32,
@@ -312,6 +475,8 @@ class Conv(_Convolution):
     ):
         super().__init__(in_size, out_size, kernel_size, strides, padding, dilation, _CONV_PADDINGS)
         where = self._describe()
+        n = len(self.kernel_size)
+        self.input_dilation = _checks.per_axis(where, "input_dilation", input_dilation, n)
         self.groups = _checks.positive_int(where, "groups", groups)
         in_size, out_size = self.in_size, self.out_size
         if in_size % self.groups or out_size % self.groups:
@@ -321,8 +486,10 @@ class Conv(_Convolution):
                 f"ordinary convolution, groups=in_size for a depthwise one)."
             )
         self._declare_weights(
-            (in_size // self.groups, out_size),
+            (*self.kernel_size, in_size // self.groups, out_size),
+            (out_size,),
             use_bias,
+            mask,
             kernel_init,
             bias_init,
             dtype,
@@ -334,16 +501,18 @@ class Conv(_Convolution):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Convolves `x` of shape ``(*batch, *spatial, in_size)``."""
-        self._check_input(x)
-        bias = self.bias.value if self.bias is not None else None
+        self._check_input(x, input_dilation=self.input_dilation)
+        kernel, bias, dtype = self._weights(x)
         return conv(
             x,
-            self.kernel.value,
+            kernel,
             bias,
-            self.kernel.dtype,
+            self.mask,
+            dtype,
             self.strides,
             self.padding,
             self.dilation,
+            self.input_dilation,
             self.groups,
             self.precision,
         )
@@ -368,10 +537,14 @@ class ConvTranspose(_Convolution):
             ``jax.lax.conv_transpose``, pairs pad the stride-dilated input.
         dilation: Kernel dilation: an int or one per axis.
         use_bias: Whether to add a bias.
+        mask: An array of the kernel's shape that multiplies the kernel at every call; a
+            constant, not a variable. None: no mask.
         kernel_init: Initializer of the kernel.
         bias_init: Initializer of the bias.
-        dtype: Compute dtype (the input, kernel and bias are cast to it).
-        param_dtype: Storage dtype of the variables (default: `dtype`).
+        dtype: Compute dtype (the input, kernel and bias are cast to it); None infers it from
+            the input, the variables and the mask, as Linen's ``promote_dtype``.
+        param_dtype: Storage dtype of the variables (default: `dtype`, float32 when `dtype`
+            is None).
         precision: `jax.lax.Precision` of the convolution.
         transpose_kernel: Flip the kernel's spatial axes and swap its channel axes, so that with
             a `Conv`'s kernel this layer computes that convolution's gradient.
@@ -404,6 +577,7 @@ class ConvTranspose(_Convolution):
         padding: PaddingLike = "SAME",
         dilation: int | Sequence[int] = 1,
         use_bias: bool = True,
+        mask: Any = None,
         kernel_init: Initializer = initializers.lecun_normal(),
         bias_init: Initializer = initializers.zeros(),
         dtype: Any = jnp.float32,
@@ -417,9 +591,12 @@ class ConvTranspose(_Convolution):
         super().__init__(in_size, out_size, kernel_size, strides, padding, dilation, paddings)
         self.transpose_kernel = _checks.flag(self._describe(), "transpose_kernel", transpose_kernel)
         in_size, out_size = self.in_size, self.out_size
+        channels = (out_size, in_size) if self.transpose_kernel else (in_size, out_size)
         self._declare_weights(
-            (out_size, in_size) if self.transpose_kernel else (in_size, out_size),
+            (*self.kernel_size, *channels),
+            (out_size,),
             use_bias,
+            mask,
             kernel_init,
             bias_init,
             dtype,
@@ -432,15 +609,153 @@ class ConvTranspose(_Convolution):
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the transposed convolution to `x` of shape ``(*batch, *spatial, in_size)``."""
         self._check_input(x, transposed=True)
-        bias = self.bias.value if self.bias is not None else None
+        kernel, bias, dtype = self._weights(x)
         return conv_transpose(
             x,
-            self.kernel.value,
+            kernel,
             bias,
-            self.kernel.dtype,
+            self.mask,
+            dtype,
             self.strides,
             self.padding,
             self.dilation,
             self.transpose_kernel,
             self.precision,
         )
+
+
+class ConvLocal(_Convolution):
+    """A locally connected layer: a convolution without weight sharing (Linen's ``ConvLocal``).
+
+    Every output position has its own kernel (and bias): the window's ``prod(kernel_size) *
+    in_size`` inputs there map to `out_size` outputs through a matrix of that position. The
+    windows are `Conv`'s (the same `strides`, `padding`, `input_dilation` and `dilation`), so
+    the weights depend on the number of output positions, and thus on the input's spatial
+    shape: lamina declares every shape when the layer is built, so `spatial_shape` gives it
+    (Linen reads it from the first input), and inputs must have it.
+
+    Variables are Linen's: ``kernel`` of shape ``out_spatial + (prod(kernel_size) * in_size,
+    out_size)`` and ``bias`` of shape ``out_spatial + (out_size,)``, with ``out_spatial`` the
+    output's spatial shape (that of a `Conv` with the same settings).
+
+    Args:
+        in_size: Number of input channels (the last axis).
+        out_size: Number of output channels.
+        kernel_size: Window size, one int per spatial axis (an int means a 1-D window).
+        spatial_shape: The input's spatial shape (the sizes of the axes between the batch
+            axes and the channels): one int per spatial axis, or an int for all of them.
+        strides: Step between windows: an int for every axis or one per axis.
+        padding: As `Conv`'s: ``"SAME"``, ``"VALID"``, ``"CIRCULAR"``, ``"REFLECT"``,
+            ``"CAUSAL"`` (1-D), an int, or one int or ``(low, high)`` pair per spatial axis.
+        input_dilation: Input dilation: an int or one per axis.
+        dilation: Kernel dilation (Linen's ``kernel_dilation``): an int or one per axis.
+        use_bias: Whether to add a bias.
+        mask: An array of the kernel's shape that multiplies the kernel at every call; a
+            constant, not a variable. None: no mask.
+        kernel_init: Initializer of the kernel (called with its full shape, as in Linen).
+        bias_init: Initializer of the bias.
+        dtype: Compute dtype (the input, kernel and bias are cast to it); None infers it from
+            the input, the variables and the mask, as Linen's ``promote_dtype``.
+        param_dtype: Storage dtype of the variables (default: `dtype`, float32 when `dtype`
+            is None).
+        precision: `jax.lax.Precision` of the convolution.
+        kernel_sharding: Logical axis names of the kernel, one per dimension.
+        bias_sharding: Logical axis names of the bias, one per dimension.
+
+    Linen's ``feature_group_count`` is not an option: Linen's ``ConvLocal`` supports only 1.
+    Everything after `spatial_shape` is keyword-only, and the settings are read-only once the
+    layer is built.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> layer = lm.ConvLocal(3, 4, kernel_size=3, spatial_shape=8, padding="VALID")
+        >>> init, apply = lm.transform(layer)
+        >>> variables = init(jax.random.key(0))
+        >>> jax.tree.map(jnp.shape, variables)
+        {'params': {'bias': (6, 4), 'kernel': (6, 9, 4)}}
+        >>> apply(variables, None, jnp.ones((2, 8, 3)))[0].shape
+        (2, 6, 4)
+    """
+
+    spatial_shape = _checks.Setting()
+    input_dilation = _checks.Setting()
+
+    def __init__(
+        self,
+        in_size: int,
+        out_size: int,
+        kernel_size: int | Sequence[int],
+        spatial_shape: int | Sequence[int],
+        *,
+        strides: int | Sequence[int] = 1,
+        padding: PaddingLike = "SAME",
+        input_dilation: int | Sequence[int] = 1,
+        dilation: int | Sequence[int] = 1,
+        use_bias: bool = True,
+        mask: Any = None,
+        kernel_init: Initializer = initializers.lecun_normal(),
+        bias_init: Initializer = initializers.zeros(),
+        dtype: Any = jnp.float32,
+        param_dtype: Any = None,
+        precision: Any = None,
+        kernel_sharding: Sequence[str | None] | None = None,
+        bias_sharding: Sequence[str | None] | None = None,
+    ):
+        super().__init__(in_size, out_size, kernel_size, strides, padding, dilation, _CONV_PADDINGS)
+        n = len(self.kernel_size)
+        where = f"{super()._describe()[:-1]}, spatial_shape={spatial_shape!r})"
+        self.spatial_shape = _checks.per_axis(where, "spatial_shape", spatial_shape, n)
+        self.input_dilation = _checks.per_axis(where, "input_dilation", input_dilation, n)
+        in_size, out_size = self.in_size, self.out_size
+        example = jax.ShapeDtypeStruct((1, *self.spatial_shape, in_size), jnp.float32)
+        self._check_input(example, input_dilation=self.input_dilation)
+        kernel = jax.ShapeDtypeStruct((*self.kernel_size, in_size, out_size), jnp.float32)
+        out = jax.eval_shape(
+            functools.partial(
+                conv,
+                bias=None,
+                mask=None,
+                dtype=jnp.float32,
+                strides=self.strides,
+                padding=self.padding,
+                dilation=self.dilation,
+                input_dilation=self.input_dilation,
+            ),
+            example,
+            kernel,
+        )
+        out_spatial = tuple(out.shape[1:-1])
+        self._declare_weights(
+            (*out_spatial, math.prod(self.kernel_size) * in_size, out_size),
+            (*out_spatial, out_size),
+            use_bias,
+            mask,
+            kernel_init,
+            bias_init,
+            dtype,
+            param_dtype,
+            precision,
+            kernel_sharding,
+            bias_sharding,
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Applies the layer to `x` of shape ``(*batch, *spatial_shape, in_size)``."""
+        self._check_input(x, input_dilation=self.input_dilation, spatial_shape=self.spatial_shape)
+        kernel, bias, dtype = self._weights(x)
+        return conv_local(
+            x,
+            kernel,
+            bias,
+            self.mask,
+            dtype,
+            self.kernel_size,
+            self.strides,
+            self.padding,
+            self.dilation,
+            self.input_dilation,
+            self.precision,
+        )
+
+    def _describe(self) -> str:
+        return f"{super()._describe()[:-1]}, spatial_shape={self.spatial_shape})"

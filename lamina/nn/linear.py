@@ -14,7 +14,7 @@ from jax import lax
 from .. import initializers
 from .._core.module import Module
 from .._core.variables import Initializer, Parameter
-from . import _checks
+from . import _checks, _dtypes
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "precision"))
@@ -26,10 +26,10 @@ def dense(
     One compiled call: eagerly it costs one dispatch instead of three, and inside `jax.jit`
     it inlines into the caller's program.
     """
-    x = jnp.asarray(x, dtype)
+    x, kernel = jnp.asarray(x, dtype), jnp.asarray(kernel, dtype)
     y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
     if bias is not None:
-        y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+        y = y + jnp.reshape(jnp.asarray(bias, dtype), (1,) * (y.ndim - 1) + (-1,))
     return y
 
 
@@ -46,8 +46,11 @@ class Dense(Module):
         use_bias: Whether to add a bias.
         kernel_init: Initializer of the kernel.
         bias_init: Initializer of the bias.
-        dtype: Compute dtype (inputs are cast to it).
-        param_dtype: Storage dtype of the variables (default: `dtype`).
+        dtype: Compute dtype (inputs are cast to it); None infers it from the inputs and
+            variables, as Linen's ``promote_dtype`` (bfloat16 stays bfloat16, complex stays
+            complex).
+        param_dtype: Storage dtype of the variables (default: `dtype`, float32 when `dtype`
+            is None).
         precision: `jax.lax.Precision` of the matrix product.
         kernel_sharding: Logical axis names of the kernel, e.g. ``("embed", "mlp")``.
         bias_sharding: Logical axis name of the bias, e.g. ``("mlp",)``.
@@ -94,8 +97,8 @@ class Dense(Module):
         self.in_size = _checks.positive_int(where, "in_size", in_size)
         self.out_size = _checks.positive_int(where, "out_size", out_size)
         self.use_bias = _checks.flag(where, "use_bias", use_bias)
-        self.dtype = _checks.inexact_dtype(where, "dtype", dtype)
-        self.param_dtype = _checks.storage_dtype(where, param_dtype, self.dtype)
+        self.dtype = _dtypes.layer_dtype(where, dtype)
+        self.param_dtype = _dtypes.storage_dtype(where, param_dtype, self.dtype)
         self.precision = _checks.precision(where, precision)
         self.kernel = Parameter(
             (self.in_size, self.out_size),
@@ -117,8 +120,10 @@ class Dense(Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the layer to `x` of shape ``(..., in_size)``."""
         _checks.check_last_axis(self._describe, x, self.in_size, "in_size")
+        kernel = self.kernel.value
         bias = self.bias.value if self.bias is not None else None
-        return dense(x, self.kernel.value, bias, self.kernel.dtype, self.precision)
+        dtype = _dtypes.compute_dtype(self, self.dtype, x, kernel, bias)
+        return dense(x, kernel, bias, dtype, self.precision)
 
     def _describe(self) -> str:
         return f"{type(self).__name__}(in_size={self.in_size}, out_size={self.out_size})"
@@ -135,7 +140,7 @@ def embed_attend(
     query: jax.Array, embedding: jax.Array, dtype: Any, precision: Any = None
 ) -> jax.Array:
     """``query @ embedding.T``: similarity of each query vector to every embedding."""
-    query = jnp.asarray(query, dtype)
+    query, embedding = jnp.asarray(query, dtype), jnp.asarray(embedding, dtype)
     return lax.dot_general(
         query, embedding, (((query.ndim - 1,), (1,)), ((), ())), precision=precision
     )
@@ -159,8 +164,10 @@ class Embed(Module):
         num_embeddings: Number of rows (the vocabulary size).
         size: Size of each vector (Linen's `features`).
         embedding_init: Initializer of the table (Linen's default: normal, variance 1/size).
-        dtype: Compute dtype of the returned vectors.
-        param_dtype: Storage dtype of the table (default: `dtype`).
+        dtype: Compute dtype of the returned vectors; None: the table's own dtype (and
+            `attend` computes in the promotion of the query's and the table's).
+        param_dtype: Storage dtype of the table (default: `dtype`, float32 when `dtype` is
+            None).
         precision: `jax.lax.Precision` of `attend`'s matrix product.
         embedding_sharding: Logical axis names of the table, e.g. ``("vocab", "embed")``.
 
@@ -200,8 +207,8 @@ class Embed(Module):
         where = type(self).__name__
         self.num_embeddings = _checks.positive_int(where, "num_embeddings", num_embeddings)
         self.size = _checks.positive_int(where, "size", size)
-        self.dtype = _checks.inexact_dtype(where, "dtype", dtype)
-        self.param_dtype = _checks.storage_dtype(where, param_dtype, self.dtype)
+        self.dtype = _dtypes.layer_dtype(where, dtype)
+        self.param_dtype = _dtypes.storage_dtype(where, param_dtype, self.dtype)
         self.precision = _checks.precision(where, precision)
         self.embedding = Parameter(
             (self.num_embeddings, self.size),
@@ -242,7 +249,9 @@ class Embed(Module):
         """Returns ``query @ embedding.T`` for `query` of shape ``(..., size)``."""
         where = f"{self._describe()}.attend"
         _checks.check_last_axis(where, query, self.size, "size", what="a query")
-        return embed_attend(query, self.embedding.value, self.embedding.dtype, self.precision)
+        embedding = self.embedding.value
+        dtype = _dtypes.compute_dtype(self, self.dtype, query, embedding)
+        return embed_attend(query, embedding, dtype, self.precision)
 
     def _describe(self) -> str:
         return f"{type(self).__name__}(num_embeddings={self.num_embeddings}, size={self.size})"

@@ -25,7 +25,7 @@ from .._core.layout import nest, present_variables
 from .._core.module import Module
 from .._core.types import Variables
 from .._core.variables import Initializer, Parameter
-from . import _checks
+from . import _checks, _dtypes
 from .conv import Conv, conv
 from .linear import Dense, dense
 
@@ -67,7 +67,16 @@ def lora_dense(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "dtype", "strides", "padding", "dilation", "precision")
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "dtype",
+        "strides",
+        "padding",
+        "dilation",
+        "input_dilation",
+        "precision",
+    ),
 )
 def lora_conv(
     y: jax.Array,
@@ -79,14 +88,17 @@ def lora_conv(
     strides: tuple[int, ...],
     padding: Any,
     dilation: tuple[int, ...],
+    input_dilation: tuple[int, ...] | None = None,
     precision: Any = None,
 ) -> jax.Array:
     """``y + scale * conv(x, lora_a) @ lora_b``, the products in `dtype`, the sum in `y`'s dtype.
 
-    A convolution into ``rank`` channels with the base's window, strides, padding and dilation
-    (the `conv` kernel), then a 1x1 projection to the outputs (the `dense` kernel).
+    A convolution into ``rank`` channels with the base's window, strides, padding and
+    dilations (the `conv` kernel), then a 1x1 projection to the outputs (the `dense` kernel).
     """
-    hidden = conv(x, lora_a, None, dtype, strides, padding, dilation, 1, precision)
+    hidden = conv(
+        x, lora_a, None, None, dtype, strides, padding, dilation, input_dilation, 1, precision
+    )
     update = scale * dense(hidden, lora_b, None, dtype, precision)
     return y + update.astype(y.dtype)
 
@@ -122,10 +134,10 @@ class LoRA(Module):
     With the default ``b_init=zeros()`` the adapter starts as a no-op: the outputs equal the base
     layer's exactly. Call it as the base: ``lora(x)``.
 
-    For a `Conv` (``groups=1`` only), ``lora_a`` is a convolution kernel with the base's window,
-    strides, padding and dilation into `rank` channels, of shape ``kernel_size + (in_size,
-    rank)``, and ``lora_b`` a 1x1 projection ``(rank, out_size)``; their product, contracted over
-    the rank axis, has the base kernel's shape.
+    For a `Conv` (``groups=1`` and no mask only), ``lora_a`` is a convolution kernel with the
+    base's window, strides, padding and dilations into `rank` channels, of shape
+    ``kernel_size + (in_size, rank)``, and ``lora_b`` a 1x1 projection ``(rank, out_size)``;
+    their product, contracted over the rank axis, has the base kernel's shape.
 
     The rank may be at most the rank the base's weight can have as a matrix:
     ``min(in_size, out_size)`` for a `Dense`, ``min(prod(kernel_size) * in_size, out_size)``
@@ -133,8 +145,8 @@ class LoRA(Module):
     larger rank would only add parameters: ``lora_a @ lora_b`` could not have a higher rank.
 
     Args:
-        base: The layer to adapt: a `Dense`, or a `Conv` with ``groups=1``. It is held, not
-            copied (``model.layer = lm.LoRA(model.layer, 8)`` adapts a layer in place).
+        base: The layer to adapt: a `Dense`, or a `Conv` with ``groups=1`` and no mask. It is
+            held, not copied (``model.layer = lm.LoRA(model.layer, 8)`` adapts a layer in place).
         rank: The rank of the update: an int from 1 to ``min(in_size, out_size)`` (a `Dense`)
             or ``min(prod(kernel_size) * in_size, out_size)`` (a `Conv`).
         alpha: The update's scale is ``alpha / rank`` (default: `rank`, so a scale of 1);
@@ -142,9 +154,11 @@ class LoRA(Module):
         a_init: Initializer of ``lora_a`` (He uniform: fan-in ``in_size``, times the window
             for a `Conv`).
         b_init: Initializer of ``lora_b`` (zeros: the adapter starts as a no-op).
-        dtype: Compute dtype of the adapter (default: the base's compute dtype). Its update is
-            cast to the base's compute dtype and added there, so the output has the base's
-            dtype.
+        dtype: Compute dtype of the adapter. Left out (or None), the base's `dtype` setting:
+            its fixed compute dtype, or, when the base was built with ``dtype=None``,
+            inferred per call from the input and the adapters (Linen's ``promote_dtype``).
+            The update is cast to the base's output dtype and added there, so the output has
+            the base's dtype.
         param_dtype: Storage dtype of the adapters (default: the base's storage dtype).
 
     Everything after `rank` is keyword-only; `base`, `rank` and the other settings are
@@ -153,7 +167,7 @@ class LoRA(Module):
     Raises:
         TypeError: `base` is not a `Dense` or `Conv`.
         ValueError: `rank` out of range, a non-positive `alpha`, or a `Conv` with groups != 1
-            (a `rank` or `alpha` of the wrong type raises a `TypeError` that is also a
+            or a mask (a `rank` or `alpha` of the wrong type raises a `TypeError` that is also a
             `ValueError`).
 
     Example:
@@ -203,6 +217,12 @@ class LoRA(Module):
                 f"{where}: the base Conv has groups={base.groups}; LoRA supports groups=1 only "
                 f"(a grouped kernel has no single low-rank update)."
             )
+        if isinstance(base, Conv) and base.mask is not None:
+            raise ValueError(
+                f"{where}: the base Conv has a mask; LoRA adapts unmasked Convs only: its "
+                f"update, conv(x, lora_a) @ lora_b, is not masked, so it would undo what the "
+                f"mask keeps out (e.g. causality). Adapt an unmasked Conv."
+            )
         rank = _checks.positive_int(where, "rank", rank)
         if isinstance(base, Conv):
             fan_in = math.prod(base.kernel_size) * base.in_size
@@ -229,12 +249,13 @@ class LoRA(Module):
         self.rank = rank
         self.alpha = float(alpha)
         self.scale = self.alpha / rank
-        kernel = base.kernel
-        self.dtype = kernel.dtype if dtype is None else _checks.inexact_dtype(where, "dtype", dtype)
+        # Left out (None), the adapter takes the base's settings: its `dtype` (so None, which
+        # infers the compute dtype per call, when the base infers it) and its storage dtype.
+        self.dtype = base.dtype if dtype is None else _dtypes.layer_dtype(where, dtype)
         self.param_dtype = (
-            kernel.param_dtype
+            base.param_dtype
             if param_dtype is None
-            else _checks.inexact_dtype(where, "param_dtype", param_dtype)
+            else _dtypes.storage_dtype(where, param_dtype, self.dtype)
         )
         window = base.kernel_size if isinstance(base, Conv) else ()
         a_init = _checks.initializer(where, "a_init", a_init)
@@ -246,22 +267,23 @@ class LoRA(Module):
         """Applies the base layer to `x` and adds the low-rank update."""
         base = self.base
         y = base(x)
+        lora_a, lora_b = self.lora_a.value, self.lora_b.value
+        dtype = _dtypes.compute_dtype(self, self.dtype, x, lora_a, lora_b)
         if isinstance(base, Conv):
             return lora_conv(
                 y,
                 x,
-                self.lora_a.value,
-                self.lora_b.value,
+                lora_a,
+                lora_b,
                 self.scale,
-                self.dtype,
+                dtype,
                 base.strides,
                 base.padding,
                 base.dilation,
+                base.input_dilation,
                 base.precision,
             )
-        return lora_dense(
-            y, x, self.lora_a.value, self.lora_b.value, self.scale, self.dtype, base.precision
-        )
+        return lora_dense(y, x, lora_a, lora_b, self.scale, dtype, base.precision)
 
 
 def merge_lora(model: Module, variables: Variables) -> tuple[Module, Variables]:

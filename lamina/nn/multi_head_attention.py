@@ -1,14 +1,19 @@
 """`MultiHeadAttention`: Flax Linen's ``MultiHeadDotProductAttention``.
 
 The variables and numerics are Linen's, so Linen's variables, its ``"cache"`` collection
-included, load directly. The attention itself is `dot_product_attention`'s kernel.
+included, load directly. The attention itself is the layer's ``attention_fn``, by default
+`dot_product_attention`: the layer projects the inputs to heads (one compiled call),
+normalises the queries and keys (``normalize_qk``), updates the cache and builds the mask
+(one call), attends, and projects the heads back (one call); under `jax.jit` the steps
+compile into one program.
 
 Incremental decoding. lamina declares every shape up front, so the decoding cache is sized
 when the layer is built: ``MultiHeadAttention(..., decode_shape=(batch, max_length))``
 declares three `Cache` variables (collection ``"cache"``, Linen's names and layout):
 
 - ``cached_key`` and ``cached_value``: ``(*batch, max_length, num_heads, head_dim)``, in the
-  compute dtype, zeros at `init`;
+  compute dtype (with ``dtype=None``, in ``param_dtype``; keys and values are cast to it when
+  written), zeros at `init`;
 - ``cache_index``: an int32 scalar, the number of positions written so far.
 
 ``layer(x, decode=True)`` then writes the keys and values of `x`'s positions at
@@ -26,7 +31,8 @@ overwriting the last position as Linen does.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -35,85 +41,84 @@ from jax import lax
 
 from .. import initializers
 from .._core.module import Module
+from .._core.records import sow
 from .._core.rng import next_rng_key
 from .._core.variables import Cache, Initializer
-from . import _checks
+from . import _checks, _dtypes
 from ._projections import Projection, dense_general
-from .attention import attention_kernel, check_broadcast, check_mask
+from .attention import check_broadcast, check_key, check_mask, dot_product_attention
+from .norm import LayerNorm
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "causal",
-        "dropout_rate",
-        "broadcast_dropout",
-        "dtype",
-        "precision",
-        "force_fp32_for_softmax",
-    ),
-)
-def _multi_head_attention(
-    params: dict[str, tuple[jax.Array, jax.Array | None]],
-    inputs_q: jax.Array,
-    inputs_k: jax.Array,
-    inputs_v: jax.Array,
-    mask: jax.Array | None,
-    dropout_rng: jax.Array | None,
-    cache: tuple[jax.Array, jax.Array, jax.Array] | None,
-    causal: bool,
-    dropout_rate: float,
-    broadcast_dropout: bool,
-    dtype: Any,
+@functools.partial(jax.jit, static_argnames=("dtypes", "precision"))
+def _project(
+    inputs: tuple[jax.Array, jax.Array, jax.Array],
+    params: tuple[tuple[jax.Array, jax.Array | None], ...],
+    dtypes: tuple[Any, Any, Any],
     precision: Any,
-    force_fp32_for_softmax: bool,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array] | None]:
-    """The whole layer in one compiled call: projections, cache update, attention, output."""
-    query = dense_general(inputs_q, *params["query"], 1, dtype, precision)
-    key = dense_general(inputs_k, *params["key"], 1, dtype, precision)
-    value = dense_general(inputs_v, *params["value"], 1, dtype, precision)
-    *batch, q_len, num_heads, _ = query.shape
+) -> tuple[jax.Array, ...]:
+    """The query, key and value projections (Linen's three ``DenseGeneral``), in one call."""
+    return tuple(
+        dense_general(x, kernel, bias, 1, dtype, precision)
+        for x, (kernel, bias), dtype in zip(inputs, params, dtypes, strict=True)
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "q_len", "causal"))
+def _cache_and_mask(
+    key: jax.Array,
+    value: jax.Array,
+    mask: jax.Array | None,
+    cache: tuple[jax.Array, jax.Array, jax.Array] | None,
+    num_heads: int,
+    q_len: int,
+    causal: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, tuple | None, jax.Array | None]:
+    """Writes this step's keys and values to the cache (`cache`), and builds the mask.
+
+    Returns the keys and values to attend to, the mask (`mask` and the causal or cached
+    positions' mask), the new cache and whether the step fitted in it (None without a cache).
+    """
+    batch = key.shape[:-3]
     if mask is not None:
         mask = jnp.asarray(mask).astype(bool)
-    new_cache = None
-    fits = None
-    if cache is not None:
-        cached_key, cached_value, index = cache
-        max_length = cached_key.shape[-3]
-        fits = index + q_len <= max_length
-        zero = jnp.zeros((), index.dtype)
-        starts = (zero,) * len(batch) + (index, zero, zero)
-        # Past max_length (traced index only: eagerly it raised before) write back what is
-        # there, so the cache is unchanged; dynamic_slice clamps `starts` as the update does.
-        key = jnp.where(fits, key, lax.dynamic_slice(cached_key, starts, key.shape))
-        value = jnp.where(fits, value, lax.dynamic_slice(cached_value, starts, value.shape))
-        key = lax.dynamic_update_slice(cached_key, key, starts)
-        value = lax.dynamic_update_slice(cached_value, value, starts)
-        new_cache = (key, value, index + q_len)
-        positions = index + jnp.arange(q_len, dtype=index.dtype)
-        allowed = jnp.arange(max_length, dtype=index.dtype)[None, :] <= positions[:, None]
-        mask = _and_masks(mask, allowed, (*batch, num_heads, q_len, max_length))
-    elif causal:
-        kv_len = key.shape[-3]
-        allowed = jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None]
-        mask = _and_masks(mask, allowed, (*batch, num_heads, q_len, kv_len))
-    x = attention_kernel(
-        query,
-        key,
-        value,
-        None,
-        mask,
-        dropout_rng,
-        dropout_rate,
-        broadcast_dropout,
-        dtype,
-        precision,
-        force_fp32_for_softmax,
-    )
-    out = dense_general(x, *params["out"], 2, dtype, precision)
-    if fits is not None:
-        out = jnp.where(fits, out, jnp.nan)
-    return out, new_cache
+    if cache is None:
+        if causal:
+            kv_len = key.shape[-3]
+            allowed = jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None]
+            mask = _and_masks(mask, allowed, (*batch, num_heads, q_len, kv_len))
+        return key, value, mask, None, None
+    cached_key, cached_value, index = cache
+    max_length = cached_key.shape[-3]
+    fits = index + q_len <= max_length
+    zero = jnp.zeros((), index.dtype)
+    starts = (zero,) * len(batch) + (index, zero, zero)
+    # The cache keeps its own dtype (the compute dtype, or param_dtype with dtype=None).
+    key, value = key.astype(cached_key.dtype), value.astype(cached_value.dtype)
+    # Past max_length (traced index only: eagerly it raised before) write back what is
+    # there, so the cache is unchanged; dynamic_slice clamps `starts` as the update does.
+    key = jnp.where(fits, key, lax.dynamic_slice(cached_key, starts, key.shape))
+    value = jnp.where(fits, value, lax.dynamic_slice(cached_value, starts, value.shape))
+    key = lax.dynamic_update_slice(cached_key, key, starts)
+    value = lax.dynamic_update_slice(cached_value, value, starts)
+    positions = index + jnp.arange(q_len, dtype=index.dtype)
+    allowed = jnp.arange(max_length, dtype=index.dtype)[None, :] <= positions[:, None]
+    mask = _and_masks(mask, allowed, (*batch, num_heads, q_len, max_length))
+    return key, value, mask, (key, value, index + q_len), fits
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "precision"))
+def _output(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None,
+    fits: jax.Array | None,
+    dtype: Any,
+    precision: Any,
+) -> jax.Array:
+    """The output projection of the heads; NaN where a decoding step overflowed the cache."""
+    out = dense_general(x, kernel, bias, 2, dtype, precision)
+    return out if fits is None else jnp.where(fits, out, jnp.nan)
 
 
 def _and_masks(mask: jax.Array | None, allowed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -151,14 +156,38 @@ class MultiHeadAttention(Module):
         bias_init: Initializer of the biases.
         out_kernel_init: Initializer of the output kernel (default `kernel_init`).
         out_bias_init: Initializer of the output bias (default `bias_init`).
-        dtype: Compute dtype (inputs, variables and cache are used in it).
-        param_dtype: Storage dtype of the parameters (default: `dtype`).
+        dtype: Compute dtype (inputs, variables and cache are used in it); None computes
+            each step in the promotion of its operands, as Linen's default: each projection
+            in that of its input and variables, the attention in that of the queries, keys
+            and values (bfloat16 stays bfloat16, complex stays complex).
+        param_dtype: Storage dtype of the parameters (default: `dtype`, float32 when `dtype`
+            is None); with ``dtype=None`` also the dtype of the decoding cache.
         precision: `jax.lax.Precision` of the products.
         broadcast_dropout: One dropout mask shared by the batch and the heads (Linen's).
         force_fp32_for_softmax: Compute the softmax in float32 when `dtype` is lower.
+        attention_fn: The attention of the projected heads, ``attention_fn(query, key,
+            value, **options) -> (batch..., q_length, num_heads, head_dim)``; default
+            `dot_product_attention`. It gets the options its signature names, among lamina's
+            (``mask``, ``dropout_rng``, ``dropout_rate``, ``broadcast_dropout``,
+            ``is_training``, ``dtype``, ``precision``, ``force_fp32_for_softmax``,
+            ``sow_weights``) and Linen's (``deterministic``, and ``module``, an object whose
+            ``sow(collection, name, value)`` records with `lm.sow`): lamina's functions and
+            Linen's (``flax.linen.dot_product_attention``) both work. A ``**kwargs`` gets
+            nothing, as in Linen. A call whose mask, dropout or `sow_weights` the function
+            cannot take is an error, not silently dropped.
+        normalize_qk: Layer-normalise the queries and keys of each head before the product
+            (Linen's ``normalize_qk``, from ViT-22B): submodules ``query_ln`` and ``key_ln``,
+            `LayerNorm` of `head_dim` features without a bias.
         decode_shape: ``(*batch, max_length)``: declares the decoding cache for inputs with
             that batch shape and up to `max_length` positions. None: no cache, and calls
             with ``decode=True`` are an error.
+
+    Attention weights: ``layer(x, sow_weights=True)`` records them (before dropout) as
+    ``"attention_weights"`` in the ``"intermediates"`` collection under the layer's path, as
+    Linen's ``sow_weights``; they come back when the caller of `apply` asks for that
+    collection. The option stays (rather than recording always, as an unrequested `lm.sow`
+    would cost nothing) so that asking for ``"intermediates"`` does not also return the
+    ``(batch, heads, q_length, kv_length)`` weights of every attention layer of a model.
 
     Everything after `in_size` is keyword-only. Linen's names differ: ``qkv_features``,
     ``out_features`` are `qkv_size`, `out_size` here, and Linen infers the input sizes
@@ -184,6 +213,17 @@ class MultiHeadAttention(Module):
         >>> y0, variables = apply(variables, None, x[:, :1], decode=True)
         >>> int(variables["cache"]["cache_index"]), y0.shape
         (1, (3, 1, 8))
+
+        The attention weights, recorded on request:
+
+        >>> mha = lm.MultiHeadAttention(num_heads=2, in_size=8, normalize_qk=True)
+        >>> init, apply = lm.transform(mha)
+        >>> variables = init(jax.random.key(0))
+        >>> sorted(variables["params"])
+        ['key', 'key_ln', 'out', 'query', 'query_ln', 'value']
+        >>> y, new = apply({**variables, "intermediates": {}}, None, x, sow_weights=True)
+        >>> [w.shape for w in new["intermediates"]["attention_weights"]]
+        [(3, 2, 5, 5)]
     """
 
     num_heads = _checks.Setting()
@@ -200,6 +240,8 @@ class MultiHeadAttention(Module):
     precision = _checks.Setting()
     broadcast_dropout = _checks.Setting()
     force_fp32_for_softmax = _checks.Setting()
+    attention_fn = _checks.Setting()
+    normalize_qk = _checks.Setting()
     decode_shape = _checks.Setting()
 
     def __init__(
@@ -222,6 +264,8 @@ class MultiHeadAttention(Module):
         precision: Any = None,
         broadcast_dropout: bool = True,
         force_fp32_for_softmax: bool = False,
+        attention_fn: Callable[..., jax.Array] = dot_product_attention,
+        normalize_qk: bool = False,
         decode_shape: Sequence[int] | None = None,
     ):
         super().__init__()
@@ -245,13 +289,18 @@ class MultiHeadAttention(Module):
         self.head_dim = self.qkv_size // self.num_heads
         self.dropout_rate = _checks.non_negative(name, "dropout_rate", dropout_rate, below=1.0)
         self.use_bias = _checks.flag(name, "use_bias", use_bias)
-        self.dtype = _checks.inexact_dtype(name, "dtype", dtype)
-        self.param_dtype = _checks.storage_dtype(name, param_dtype, self.dtype)
+        self.dtype = _dtypes.layer_dtype(name, dtype)
+        self.param_dtype = _dtypes.storage_dtype(name, param_dtype, self.dtype)
         self.precision = _checks.precision(name, precision)
         self.broadcast_dropout = _checks.flag(name, "broadcast_dropout", broadcast_dropout)
         self.force_fp32_for_softmax = _checks.flag(
             name, "force_fp32_for_softmax", force_fp32_for_softmax
         )
+        self.attention_fn = _checks.function(
+            name, "attention_fn", attention_fn, "lm.dot_product_attention"
+        )
+        _accepted(name, self.attention_fn)  # its signature must be readable
+        self.normalize_qk = _checks.flag(name, "normalize_qk", normalize_qk)
         kernel_init = _checks.initializer(name, "kernel_init", kernel_init)
         bias_init = _checks.initializer(name, "bias_init", bias_init)
         out_kernel_init = kernel_init if out_kernel_init is None else out_kernel_init
@@ -277,6 +326,14 @@ class MultiHeadAttention(Module):
             out_kernel_init,
             out_bias_init,
         )
+        # Linen's LayerNorms of the queries and keys per head (ViT-22B's QK normalisation).
+        self.query_ln: LayerNorm | None = None
+        self.key_ln: LayerNorm | None = None
+        if self.normalize_qk:
+            self.query_ln, self.key_ln = (
+                LayerNorm(self.head_dim, use_bias=False, dtype=dtype, param_dtype=param_dtype)
+                for _ in range(2)
+            )
 
         self.decode_shape = None if decode_shape is None else _decode_shape(name, decode_shape)
         # The cache: three Cache declarations when decoding, else None (Any: read only then).
@@ -288,8 +345,9 @@ class MultiHeadAttention(Module):
         else:
             cache_shape = (*self.decode_shape, *heads)
             zeros = initializers.zeros()
-            self.cached_key = Cache(cache_shape, zeros, self.dtype)
-            self.cached_value = Cache(cache_shape, zeros, self.dtype)
+            cache_dtype = self.param_dtype if self.dtype is None else self.dtype
+            self.cached_key = Cache(cache_shape, zeros, cache_dtype)
+            self.cached_value = Cache(cache_shape, zeros, cache_dtype)
             self.cache_index = Cache((), zeros, jnp.int32)
 
     @property
@@ -307,6 +365,8 @@ class MultiHeadAttention(Module):
         causal: bool = False,
         is_training: bool = False,
         decode: bool = False,
+        dropout_rng: Any = None,
+        sow_weights: bool = False,
     ) -> jax.Array:
         """Attends from `inputs_q` to `inputs_k`/`inputs_v` (self-attention when omitted).
 
@@ -320,16 +380,22 @@ class MultiHeadAttention(Module):
                 an additive one (0 keeps, -inf drops) is ``mask == 0``.
             causal: Also keep only the pairs with key position <= query position (positions
                 count from the start of both sequences). Implied by `decode`.
-            is_training: Apply dropout to the attention weights, with keys from
-                ``lm.next_rng_key("dropout")``. A Python bool.
+            is_training: Apply dropout to the attention weights. A Python bool.
             decode: Write this step's keys and values to the cache at ``cache_index`` and
                 attend to the cache (needs `decode_shape`). A Python bool.
+            dropout_rng: The key of the dropout (Linen's ``dropout_rng``); default
+                ``lm.next_rng_key("dropout")``. Used only while training.
+            sow_weights: Record the attention weights (before dropout) as
+                ``"attention_weights"`` in the ``"intermediates"`` collection, kept when the
+                caller of `apply` asks for it (``{**variables, "intermediates": {}}``).
 
         Returns:
             ``(batch..., q_length, out_size)``.
         """
         name = type(self).__name__
-        _checks.python_bool(name, causal=causal, is_training=is_training, decode=decode)
+        _checks.python_bool(
+            name, causal=causal, is_training=is_training, decode=decode, sow_weights=sow_weights
+        )
         if inputs_k is None:
             if inputs_v is not None:
                 raise ValueError(
@@ -362,36 +428,88 @@ class MultiHeadAttention(Module):
             check_mask(name, mask)
             weights_shape = (*batch, self.num_heads, q_len, kv_len)
             check_broadcast(name, "mask", jnp.shape(mask), weights_shape)
-        rng = None
-        if is_training and self.dropout_rate > 0.0:
-            rng = next_rng_key("dropout")
-        # Not training, the rate does not matter: 0.0 lets layers that differ only in their
-        # rate share one compiled program.
-        dropout_rate = 0.0 if rng is None else self.dropout_rate
-        params = {
-            "query": self.query.arrays(),
-            "key": self.key.arrays(),
-            "value": self.value.arrays(),
-            "out": self.out.arrays(),
-        }
-        out, new_cache = _multi_head_attention(
-            params,
-            inputs_q,
-            inputs_k,
-            inputs_v,
-            mask,
-            rng,
-            cache,
-            causal and not decode,
-            dropout_rate,
-            self.broadcast_dropout,
-            self.dtype,
-            self.precision,
-            self.force_fp32_for_softmax,
+        if dropout_rng is not None:
+            check_key(name, "dropout_rng", dropout_rng)
+
+        inputs = (inputs_q, inputs_k, inputs_v)
+        projections = (self.query.arrays(), self.key.arrays(), self.value.arrays())
+        # Each projection computes in its own dtype, as Linen's DenseGeneral (dtype=None:
+        # the promotion of its input and variables).
+        dtypes = tuple(
+            _dtypes.compute_dtype(self, self.dtype, x, *p)
+            for x, p in zip(inputs, projections, strict=True)
         )
-        if new_cache is not None:
-            self.cached_key.value, self.cached_value.value, self.cache_index.value = new_cache
-        return out
+        query, key, value = _project(inputs, projections, dtypes, self.precision)
+        if self.query_ln is not None and self.key_ln is not None:
+            query, key = self.query_ln(query), self.key_ln(key)
+        fits = None
+        if cache is not None or causal or mask is not None:
+            key, value, mask, new_cache, fits = _cache_and_mask(
+                key, value, mask, cache, self.num_heads, q_len, causal and not decode
+            )
+            if new_cache is not None:
+                self.cached_key.value, self.cached_value.value, self.cache_index.value = new_cache
+        x = self._attend(query, key, value, mask, is_training, dropout_rng, sow_weights)
+        expected = (*batch, q_len, self.num_heads, self.head_dim)
+        if tuple(jnp.shape(x)) != expected:
+            raise ValueError(
+                f"{name}: attention_fn={_fn_name(self.attention_fn)} returned shape "
+                f"{tuple(jnp.shape(x))}, but the output projection takes the heads' shape "
+                f"(batch..., q_length, num_heads, head_dim) = {expected}. An attention_fn "
+                f"returns one vector per query position and head, as "
+                f"lm.dot_product_attention."
+            )
+        kernel, bias = self.out.arrays()
+        dtype = _dtypes.compute_dtype(self, self.dtype, x, kernel, bias)
+        return _output(x, kernel, bias, fits, dtype, self.precision)
+
+    def _attend(
+        self,
+        query: jax.Array,
+        key: jax.Array,
+        value: jax.Array,
+        mask: jax.Array | None,
+        is_training: bool,
+        dropout_rng: Any,
+        sow_weights: bool,
+    ) -> jax.Array:
+        """Calls `attention_fn` with the keyword arguments it names (see `_accepted`)."""
+        training = is_training and self.dropout_rate > 0.0
+        if training and dropout_rng is None:
+            dropout_rng = next_rng_key("dropout")
+        offered = {
+            "mask": mask,
+            "dropout_rng": dropout_rng if training else None,
+            # Not training, the rate does not matter: 0.0 lets layers that differ only in
+            # their rate share one compiled program.
+            "dropout_rate": self.dropout_rate if training else 0.0,
+            "broadcast_dropout": self.broadcast_dropout,
+            "is_training": training,
+            "deterministic": not training,
+            "dtype": self.dtype,
+            "precision": self.precision,
+            "force_fp32_for_softmax": self.force_fp32_for_softmax,
+            "sow_weights": sow_weights,
+            "module": _Sower() if sow_weights else None,
+        }
+        accepted = _accepted(type(self).__name__, self.attention_fn)
+        needed = (
+            (mask is not None, ("mask",), "a mask (mask=, causal=True or decode=True)"),
+            (training, ("dropout_rng",), "dropout (is_training=True and a dropout_rate)"),
+            (training, ("dropout_rate",), "dropout (is_training=True and a dropout_rate)"),
+            (training, ("is_training", "deterministic"), "dropout (is_training=True)"),
+            (sow_weights, ("sow_weights", "module"), "sow_weights=True"),
+        )
+        for used, names, what in needed:
+            if used and not accepted & set(names):
+                raise TypeError(
+                    f"{type(self).__name__}: this call has {what}, but attention_fn="
+                    f"{_fn_name(self.attention_fn)} takes no {' or '.join(names)} argument, "
+                    f"so it would be dropped. Give the function that parameter (as "
+                    f"lm.dot_product_attention has), or leave the option out."
+                )
+        kwargs = {k: v for k, v in offered.items() if k in accepted}
+        return self.attention_fn(query, key, value, **kwargs)
 
     def _cache_for_step(
         self, batch: tuple[int, ...], q_len: int, k_shape: tuple[int, ...]
@@ -427,6 +545,63 @@ class MultiHeadAttention(Module):
                     f"'cache' variables, or build the layer with a larger decode_shape."
                 )
         return self.cached_key.value, self.cached_value.value, index
+
+
+# The keyword arguments MultiHeadAttention offers its attention_fn: lamina's names and Linen's.
+_OFFERED = frozenset(
+    (
+        "mask",
+        "dropout_rng",
+        "dropout_rate",
+        "broadcast_dropout",
+        "is_training",
+        "deterministic",
+        "dtype",
+        "precision",
+        "force_fp32_for_softmax",
+        "sow_weights",
+        "module",
+    )
+)
+
+
+def _accepted(where: str, fn: Callable[..., Any]) -> frozenset[str]:
+    """The keyword arguments of `_OFFERED` that `fn`'s signature names.
+
+    As Linen's ``MultiHeadDotProductAttention``, only named parameters count: a ``**kwargs``
+    receives nothing, so a Linen-style function never gets lamina's names (and vice versa).
+    """
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{where}: attention_fn={_fn_name(fn)} has no signature that inspect can read, so "
+            f"the keyword arguments to pass it cannot be chosen. Wrap it in a def naming them, "
+            f"e.g. def attention(query, key, value, mask=None): ..."
+        ) from None
+    return _OFFERED & {
+        name
+        for name, p in parameters.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+
+
+def _fn_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+class _Sower:
+    """The ``module`` a Linen-style attention_fn gets with ``sow_weights=True``.
+
+    Linen's attention functions record with ``module.sow(collection, name, value)``; this
+    records with `lm.sow` under the path of the `MultiHeadAttention` that called them.
+    """
+
+    def sow(
+        self, collection: str, name: str, value: Any, reduce_fn: Any = None, init_fn: Any = None
+    ) -> bool:
+        options = {"reduce_fn": reduce_fn, "init_fn": init_fn}
+        return sow(name, value, collection=collection, **{k: f for k, f in options.items() if f})
 
 
 def _check_input(arg: str, x: Any, setting: str, expected: int) -> tuple[int, ...]:

@@ -1,9 +1,10 @@
 """`RNN`: runs a recurrent cell over the time axis of a sequence (`jax.lax.scan`), as Linen's.
 
-No lifted transform is involved and nothing is written inside the loop: for `LSTMCell` and
-`GRUCell`, `RNN` reads the cell's variables once and passes them to one compiled function,
-`rnn_scan` (so an eager call compiles once per configuration, not once per call); any other
-cell is called inside the scan body, which closes over the arrays that the active `apply`
+No lifted transform is involved and nothing is written inside the loop: for the cells of
+`cells.py` (`LSTMCell`, `OptimizedLSTMCell`, `GRUCell`, `MGUCell`, `SimpleCell`), `RNN` reads
+the cell's variables once and passes them to one compiled function, `rnn_scan` (so an eager
+call compiles once per configuration, not once per call); any other cell (`ConvLSTMCell`, a
+user's) is called inside the scan body, which closes over the arrays that the active `apply`
 call has bound to the cell's variables.
 """
 
@@ -140,7 +141,7 @@ def rnn_scan(
 
     Returns ``(final_carry, outputs)``; the final carry is the one after each sequence's
     last valid step when `seq_lengths` and `return_carry` are given (else after the last
-    step). One compiled function: `RNN` calls it for `LSTMCell` and `GRUCell`.
+    step). One compiled function: `RNN` calls it for the cells of `cells.py`.
     """
 
     def step(state: Carry, x: jax.Array, t: jax.Array) -> tuple[Carry, Any]:
@@ -188,6 +189,10 @@ class RNN(Module):
             bidirectional RNN needs). Ignored without `reverse`, as in Linen.
         return_carry: Return ``(final_carry, outputs)`` instead of the outputs alone.
         unroll: Scan iterations unrolled into one loop iteration (`jax.lax.scan`'s `unroll`).
+
+    As in Linen, a call can override `time_major`, `reverse`, `keep_order` and `return_carry`
+    (``rnn(x, reverse=True, keep_order=True)``: what `Bidirectional` does with its backward
+    RNN).
 
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
@@ -245,39 +250,66 @@ class RNN(Module):
         inputs: jax.Array,
         initial_carry: Carry | None = None,
         seq_lengths: jax.Array | None = None,
+        *,
+        return_carry: bool | None = None,
+        time_major: bool | None = None,
+        reverse: bool | None = None,
+        keep_order: bool | None = None,
     ) -> Any:
         """Runs the cell over `inputs`.
 
         Args:
             inputs: ``(*batch, time, *features)``, or ``(time, *batch, *features)`` when
-                `time_major`; the cell's feature axes are last (one for LSTM and GRU cells).
+                `time_major`; the cell's feature axes are last (one for LSTM and GRU cells,
+                the spatial axes and the channels for `ConvLSTMCell`).
             initial_carry: The carry before the first step (default:
-                ``cell.initialize_carry(batch_shape)``, zeros).
+                ``cell.initialize_carry(shape)``, zeros, with ``shape`` the shape of one
+                step's input without its last axis).
             seq_lengths: Integer lengths of shape ``batch``, each in ``[0, time]``; see the
                 class docstring. They are checked when their values are known (eager
                 calls); under `jax.jit` they are traced and cannot be checked.
+            return_carry: Overrides the layer's `return_carry` for this call (as Linen's).
+            time_major: Overrides the layer's `time_major` for this call.
+            reverse: Overrides the layer's `reverse` for this call.
+            keep_order: Overrides the layer's `keep_order` for this call.
 
         Returns:
             The outputs, with the time axis where the inputs have it; with `return_carry`,
             ``(final_carry, outputs)``.
         """
+        where = f"{type(self).__name__}.__call__"
+        overrides = {"return_carry": return_carry, "time_major": time_major}
+        overrides |= {"reverse": reverse, "keep_order": keep_order}
+        chosen = {k: v for k, v in overrides.items() if v is not None}
+        _checks.python_bool(where, **chosen)
+        settings = {
+            "time_major": self.time_major,
+            "reverse": self.reverse,
+            "keep_order": self.keep_order,
+            "return_carry": self.return_carry,
+            "unroll": self.unroll,
+        } | chosen
+        time_major = settings["time_major"]
         cell: Any = self.cell  # any module with the cell protocol
         inputs = jnp.asarray(inputs)
         shape = tuple(inputs.shape)
         feature_axes = getattr(cell, "num_feature_axes", 1)
-        layout = "(time, *batch, *features)" if self.time_major else "(*batch, time, *features)"
+        layout = "(time, *batch, *features)" if time_major else "(*batch, time, *features)"
         if inputs.ndim < feature_axes + 1:
             raise ValueError(
-                f"RNN(time_major={self.time_major}) expects inputs of shape {layout}, with at "
+                f"RNN(time_major={time_major}) expects inputs of shape {layout}, with at "
                 f"least {feature_axes + 1} axes (time and {feature_axes} feature axis), got "
                 f"shape {shape}. For one sequence of scalars add a feature axis: x[..., None]."
             )
         in_size = getattr(cell, "in_size", None)
         if in_size is not None:
-            where = f"RNN({type(cell).__name__}(in_size={in_size}))"
-            _checks.check_last_axis(where, inputs, in_size, "in_size", what="inputs")
-        time_axis = 0 if self.time_major else inputs.ndim - feature_axes - 1
-        batch = shape[1 : inputs.ndim - feature_axes] if self.time_major else shape[:time_axis]
+            cell_name = f"RNN({type(cell).__name__}(in_size={in_size}))"
+            _checks.check_last_axis(cell_name, inputs, in_size, "in_size", what="inputs")
+        time_axis = 0 if time_major else inputs.ndim - feature_axes - 1
+        batch = shape[1 : inputs.ndim - feature_axes] if time_major else shape[:time_axis]
+        # The carry's shape: one step's input without its last axis (the batch, and the
+        # spatial axes of a convolutional cell).
+        carry_batch = (shape[:time_axis] + shape[time_axis + 1 :])[:-1]
 
         if seq_lengths is not None:
             seq_lengths = jnp.asarray(seq_lengths)
@@ -289,7 +321,7 @@ class RNN(Module):
             if tuple(seq_lengths.shape) != batch:
                 raise ValueError(
                     f"RNN's seq_lengths must have the batch shape {batch} of inputs of shape "
-                    f"{shape} (time_major={self.time_major}), one length per sequence; got "
+                    f"{shape} (time_major={time_major}), one length per sequence; got "
                     f"shape {tuple(seq_lengths.shape)}."
                 )
             time = shape[time_axis]
@@ -299,33 +331,26 @@ class RNN(Module):
                 if low < 0 or high > time:
                     raise ValueError(
                         f"RNN's seq_lengths must be in [0, {time}] (the inputs' time axis has "
-                        f"{time} steps, shape {shape}, time_major={self.time_major}); got "
+                        f"{time} steps, shape {shape}, time_major={time_major}); got "
                         f"{low if low < 0 else high}. A length counts the valid steps at the "
                         f"start of a sequence."
                     )
 
         if initial_carry is None:
-            carry = cell.initialize_carry(batch)
+            carry = cell.initialize_carry(carry_batch)
         else:
             carry = initial_carry
-            expected = carry_shapes(cell, batch)
+            expected = carry_shapes(cell, carry_batch)
             got = tree_shapes(carry)
             if got != expected:
                 raise ValueError(
                     f"RNN got an initial_carry of shapes {got}, but its cell "
                     f"{type(cell).__name__} needs a carry of shapes {expected} for inputs of "
-                    f"shape {shape} (batch shape {batch}, time_major={self.time_major}). "
-                    f"Create one with rnn.cell.initialize_carry({batch})."
+                    f"shape {shape} (batch shape {batch}, time_major={time_major}). "
+                    f"Create one with rnn.cell.initialize_carry({carry_batch})."
                 )
 
-        settings = {
-            "time_major": self.time_major,
-            "reverse": self.reverse,
-            "keep_order": self.keep_order,
-            "return_carry": self.return_carry,
-            "unroll": self.unroll,
-        }
-        compiled = compiled_step(cell)
+        compiled = compiled_step(cell, carry, inputs)
         if compiled is not None:
             weights, kernel = compiled
             carry, outputs = rnn_scan(weights, carry, inputs, seq_lengths, kernel, **settings)
@@ -344,4 +369,4 @@ class RNN(Module):
             carry, outputs = _scan_sequence(
                 step, carry, inputs, seq_lengths, feature_axes=feature_axes, **settings
             )
-        return (carry, outputs) if self.return_carry else outputs
+        return (carry, outputs) if settings["return_carry"] else outputs
