@@ -465,7 +465,7 @@ def test_batch_norm_axis_name_errors(getkey):
     init, apply = lm.transform(BatchNorm(FEATURES, axis_name="data"))
     with pytest.raises(
         NameError,
-        match=r"averages the batch statistics over the mapped axis 'data'.*"
+        match=r"^BatchNorm\(size=6\) averages its statistics over the mapped axis 'data'.*"
         r"jax.vmap\(step, axis_name='data'\)",
     ):
         apply(init(getkey()), None, jnp.ones((2, FEATURES)), True)

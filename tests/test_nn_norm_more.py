@@ -853,3 +853,105 @@ def test_new_settings_are_read_only():
             setattr(layer, name, value)
     with pytest.raises(AttributeError, match=r"WeightNorm.variable_filter is read-only"):
         lm.WeightNorm(lm.Dense(2, 2)).variable_filter = ("bias",)
+
+
+# --- statistics averaged over a mapped axis ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "linen, ours",
+    [
+        (nn.LayerNorm(axis_name="i"), lm.LayerNorm(5, axis_name="i")),
+        (nn.RMSNorm(axis_name="i", use_fast_variance=False), lm.RMSNorm(5, axis_name="i")),
+        (
+            nn.GroupNorm(num_groups=None, group_size=1, axis_name="i", use_fast_variance=False),
+            lm.GroupNorm(None, 5, group_size=1, axis_name="i", use_fast_variance=False),
+        ),
+        (nn.InstanceNorm(axis_name="i"), lm.InstanceNorm(5, axis_name="i")),
+    ],
+    ids=["layer", "rms", "group", "instance"],
+)
+def test_axis_name_averages_the_statistics_over_the_mapped_axis_as_linen(linen, ours):
+    x = data((4, 2, 3, 5))  # vmapped over the first axis: 4 replicas of (2, 3, 5)
+    variables = randomize(lm.transform(ours).init(jax.random.key(0)))  # Linen's layout
+    with jax.numpy_dtype_promotion("standard"):
+        expected = jax.vmap(lambda x: linen.apply(variables, x), axis_name="i")(x)
+    apply = lm.transform(ours).apply
+    got = jax.vmap(lambda x: apply(variables, None, x)[0], axis_name="i")(x)
+    assert_close(got, expected, atol=1e-5)
+    alone = jax.vmap(
+        lambda x: lm.transform(
+            type(ours)(5)
+            if not isinstance(ours, lm.GroupNorm)
+            else lm.GroupNorm(None, 5, group_size=1)
+        ).apply(variables, None, x)[0]
+    )(x)
+    assert not np.allclose(got, alone)  # the mapped axis mattered
+
+
+def test_axis_name_outside_a_mapped_axis_is_a_clear_error():
+    layer = lm.LayerNorm(5, axis_name="batch")
+    init, apply = lm.transform(layer)
+    with pytest.raises(
+        NameError,
+        match=r"^LayerNorm\(size=5\) averages its statistics over "
+        r"the mapped axis 'batch'.*jax\.vmap\(step, axis_name='batch'\)",
+    ):
+        apply(init(jax.random.key(0)), None, jnp.ones((2, 5)))
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: lm.LayerNorm(5, axis_index_groups=[[0, 1]]), ValueError, "axis_name is None"),
+        (
+            lambda: lm.BatchNorm(5, axis_name="i", axis_index_groups=[0, 1]),
+            TypeError,
+            r"axis_index_groups must be a list of lists",
+        ),
+        (lambda: lm.GroupNorm(1, 5, axis_name=3), TypeError, r"axis_name must be None, the name"),
+    ],
+)
+def test_axis_options_are_checked_when_built(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+_GROUPS_SCRIPT = r"""
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp, numpy as np, flax.linen as nn, lamina as lm
+x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 3, 5)) + 1.0, jnp.float32)
+groups = [[0, 1], [2, 3]]
+for linen, ours, kw, our_kw in [
+    (nn.LayerNorm(axis_name="i", axis_index_groups=groups),
+     lm.LayerNorm(5, axis_name="i", axis_index_groups=groups), {}, {}),
+    (nn.BatchNorm(axis_name="i", axis_index_groups=groups, use_running_average=False),
+     lm.BatchNorm(5, axis_name="i", axis_index_groups=groups), {"mutable": True},
+     {"is_training": True}),
+]:
+    variables = lm.transform(ours).init(jax.random.key(1))
+    variables["params"]["scale"] = 1.0 + jnp.arange(5.0) / 10
+    expected = jax.pmap(lambda x: linen.apply(variables, x, **kw), axis_name="i")(x)
+    apply = lm.transform(ours).apply
+    got = jax.pmap(lambda x: apply(variables, None, x, **our_kw), axis_name="i")(x)
+    if isinstance(expected, tuple):  # BatchNorm: the running averages too
+        np.testing.assert_allclose(
+            got[1]["batch_stats"]["mean"], expected[1]["batch_stats"]["mean"], rtol=1e-5
+        )
+        expected = expected[0]
+    np.testing.assert_allclose(got[0], expected, rtol=1e-5, atol=1e-5)
+    # the two groups' statistics differ: replicas 0 and 2 do not normalise alike
+    assert not np.allclose(got[0][0] - got[0][2], 0.0)
+print("ok")
+"""
+
+
+def test_axis_index_groups_average_within_each_group_as_linen():
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _GROUPS_SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

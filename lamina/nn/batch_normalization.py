@@ -25,6 +25,7 @@ from .norm import (
     normalize,
     promote,
     statistics_dtype,
+    unbound_axis_message,
 )
 
 
@@ -39,6 +40,7 @@ from .norm import (
         "stats_dtype",
         "use_fast_variance",
         "axis_name",
+        "axis_index_groups",
     ),
 )
 def batch_norm(
@@ -57,6 +59,7 @@ def batch_norm(
     stats_dtype: Any,
     use_fast_variance: bool = True,
     axis_name: Hashable | None = None,
+    axis_index_groups: Any = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """Batch normalisation over all axes but `feature_axes`: returns ``(y, new_mean, new_var)``.
 
@@ -79,6 +82,7 @@ def batch_norm(
         use_fast_variance=use_fast_variance,
         mask=mask,
         axis_name=axis_name,
+        axis_index_groups=axis_index_groups,
     )
     assert batch_mean is not None
     y = normalize(x, batch_mean, batch_var, scale, bias, feature_axes, epsilon, dtype)
@@ -125,6 +129,8 @@ class BatchNorm(Normalization):
         axis_name: Name of a mapped axis (``jax.vmap``/``pmap``/``shard_map``) over which the
             batch statistics are averaged (``lax.pmean``), so that data-parallel replicas
             normalise with the statistics of the whole batch.
+        axis_index_groups: Groups of the mapped axis' indices whose statistics are averaged
+            separately (``lax.pmean``'s, Linen's), e.g. ``[[0, 1], [2, 3]]``.
         scale_init: Initializer of the scale.
         bias_init: Initializer of the bias.
         use_fast_variance: ``E[|x|^2] - |E[x]|^2`` in one pass (Linen's default); False
@@ -152,7 +158,6 @@ class BatchNorm(Normalization):
 
     momentum = _checks.Setting()
     axis = _checks.Setting()
-    axis_name = _checks.Setting()
 
     _features_option = "axis"
 
@@ -166,6 +171,7 @@ class BatchNorm(Normalization):
         use_bias: bool = True,
         axis: int | Sequence[int] = -1,
         axis_name: Hashable | None = None,
+        axis_index_groups: Any = None,
         scale_init: Initializer = initializers.ones(),
         bias_init: Initializer = initializers.zeros(),
         use_fast_variance: bool = True,
@@ -185,6 +191,8 @@ class BatchNorm(Normalization):
             dtype=dtype,
             param_dtype=param_dtype,
             use_fast_variance=use_fast_variance,
+            axis_name=axis_name,
+            axis_index_groups=axis_index_groups,
         )
         self.momentum = _checks.non_negative(
             where,
@@ -193,13 +201,6 @@ class BatchNorm(Normalization):
             at_most=1.0,
             meaning=" (the weight of the old running average, typically 0.9 to 0.999)",
         )
-        names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-        if axis_name is not None and not all(isinstance(n, str) and n for n in names):
-            raise TypeError(
-                f"{where}: axis_name must be None, the name of a mapped axis (a string, as "
-                f"in jax.vmap(f, axis_name='batch')) or a tuple of names; got {axis_name!r}."
-            )
-        self.axis_name = axis_name
         stats = statistics_dtype(self.param_dtype if self.dtype is None else self.dtype)
         self.mean = BatchStat(self.feature_shape, initializers.zeros(), stats)
         self.var = BatchStat(self.feature_shape, initializers.ones(), _real(stats))
@@ -230,7 +231,7 @@ class BatchNorm(Normalization):
                 f"imaginary part would be lost. Build the layer with dtype={stats} (or "
                 f"param_dtype={stats} with dtype=None)."
             )
-        try:
+        with unbound_axis_message(self):
             y, new_mean, new_var = batch_norm(
                 x,
                 scale,
@@ -246,17 +247,8 @@ class BatchNorm(Normalization):
                 stats_dtype=stats,
                 use_fast_variance=self.use_fast_variance,
                 axis_name=self.axis_name if is_training else None,
+                axis_index_groups=self.axis_index_groups if is_training else None,
             )
-        except NameError as error:
-            if self.axis_name is None:
-                raise
-            raise NameError(
-                f"BatchNorm(axis_name={self.axis_name!r}) averages the batch statistics over "
-                f"the mapped axis {self.axis_name!r}, but no jax.vmap, jax.pmap or "
-                f"jax.shard_map with that axis name encloses this call ({error}). Call apply "
-                f"inside one, e.g. jax.vmap(step, axis_name={self.axis_name!r}), or build the "
-                f"layer with axis_name=None."
-            ) from None
         if is_training:
             self.mean.value = new_mean
             self.var.value = new_var

@@ -22,8 +22,9 @@ feature_axes=(-2, -1))`` normalises ``(..., 4, 5)`` inputs over their last two a
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -67,6 +68,7 @@ def moments(
     use_fast_variance: bool = True,
     mask: jax.Array | None = None,
     axis_name: Hashable | None = None,
+    axis_index_groups: Any = None,
 ) -> tuple[jax.Array | None, jax.Array]:
     """Mean and variance of `x` over `axes` (kept as size-1 axes), as Linen computes them.
 
@@ -80,6 +82,7 @@ def moments(
         mask: Booleans broadcastable to `x`: only the True entries count.
         axis_name: A mapped axis over which the statistics are averaged (``lax.pmean``; the
             fast variance's two means in one collective).
+        axis_index_groups: Groups of the mapped axis' indices averaged separately.
     """
     x = x.astype(dtype)
     where = None if mask is None else jnp.broadcast_to(mask, x.shape)
@@ -89,9 +92,10 @@ def moments(
         if axis_name is None:
             return means
         if len(means) == 1:
-            return [lax.pmean(means[0], axis_name)]
+            return [lax.pmean(means[0], axis_name, axis_index_groups=axis_index_groups)]
         common = promote(*(m.dtype for m in means))
-        both = lax.pmean(jnp.stack([m.astype(common) for m in means]), axis_name)
+        stacked = jnp.stack([m.astype(common) for m in means])
+        both = lax.pmean(stacked, axis_name, axis_index_groups=axis_index_groups)
         return [b if b.dtype == m.dtype else lax.real(b) for b, m in zip(both, means, strict=True)]
 
     if not use_mean:
@@ -151,6 +155,8 @@ def normalize(
         "use_mean",
         "use_fast_variance",
         "group_size",
+        "axis_name",
+        "axis_index_groups",
     ),
 )
 def normalization(
@@ -167,6 +173,8 @@ def normalization(
     use_mean: bool = True,
     use_fast_variance: bool = True,
     group_size: int | None = None,
+    axis_name: Hashable | None = None,
+    axis_index_groups: Any = None,
 ) -> jax.Array:
     """Normalises `x` with its statistics over `reduction_axes` (every per-example norm).
 
@@ -183,6 +191,8 @@ def normalization(
             use_mean=use_mean,
             use_fast_variance=use_fast_variance,
             mask=mask,
+            axis_name=axis_name,
+            axis_index_groups=axis_index_groups,
         )
         return normalize(x, mean, var, scale, bias, feature_axes, epsilon, dtype)
     channels = x.shape[-1]
@@ -196,6 +206,8 @@ def normalization(
         use_mean=use_mean,
         use_fast_variance=use_fast_variance,
         mask=mask,
+        axis_name=axis_name,
+        axis_index_groups=axis_index_groups,
     )
 
     def per_channel(stat: jax.Array) -> jax.Array:  # (..., G, 1) -> (..., G * group_size)
@@ -277,6 +289,51 @@ def check_mask(where: Callable[[], str], mask: Any, shape: tuple[int, ...]) -> j
     return mask
 
 
+def mapped_axis(where: str, axis_name: Any, axis_index_groups: Any) -> tuple[Any, Any]:
+    """Checks `axis_name` (None, a name or a tuple of names) and `axis_index_groups`."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if axis_name is not None and not all(isinstance(n, str) and n for n in names):
+        raise TypeError(
+            f"{where}: axis_name must be None, the name of a mapped axis (a string, as in "
+            f"jax.vmap(f, axis_name='batch')) or a tuple of names; got {axis_name!r}."
+        )
+    if axis_index_groups is None:
+        return axis_name, None
+    if axis_name is None:
+        raise ValueError(
+            f"{where}: axis_index_groups={axis_index_groups!r} groups the indices of a mapped "
+            f"axis, but axis_name is None. Give the axis_name too."
+        )
+    try:
+        groups = tuple(
+            tuple(_checks.non_negative_int(where, "axis_index_groups", i) for i in g)
+            for g in axis_index_groups
+        )
+    except TypeError:
+        raise TypeError(
+            f"{where}: axis_index_groups must be a list of lists of axis indices, such as "
+            f"[[0, 1], [2, 3]], got {axis_index_groups!r}."
+        ) from None
+    return axis_name, groups
+
+
+@contextlib.contextmanager
+def unbound_axis_message(layer: Any) -> Iterator[None]:
+    """Turns JAX's unbound-axis `NameError` into one that names the layer and the fix."""
+    try:
+        yield
+    except NameError as error:
+        if layer.axis_name is None:
+            raise
+        name = layer.axis_name
+        raise NameError(
+            f"{layer._describe()} averages its statistics over the mapped axis {name!r} "
+            f"(axis_name={name!r}), but no jax.vmap, jax.pmap or jax.shard_map with that axis "
+            f"name encloses this call ({error}). Call apply inside one, e.g. jax.vmap(step, "
+            f"axis_name={name!r}), or build the layer with axis_name=None."
+        ) from None
+
+
 class Normalization(Module):
     """What the normalisation layers share: sizes, epsilon, dtypes, scale and bias.
 
@@ -294,6 +351,8 @@ class Normalization(Module):
     use_scale = _checks.Setting()
     use_bias = _checks.Setting()
     use_fast_variance = _checks.Setting()
+    axis_name = _checks.Setting()
+    axis_index_groups = _checks.Setting()
     dtype = _checks.Setting()
     param_dtype = _checks.Setting()
 
@@ -312,9 +371,12 @@ class Normalization(Module):
         dtype: Any,
         param_dtype: Any,
         use_fast_variance: bool,
+        axis_name: Hashable | None = None,
+        axis_index_groups: Any = None,
     ):
         super().__init__()
         where = type(self).__name__
+        self.axis_name, self.axis_index_groups = mapped_axis(where, axis_name, axis_index_groups)
         self._features = feature_axes
         self.size = self._sizes(where, size)
         meaning = " (it is added to the variance before the square root)"
@@ -398,20 +460,23 @@ class Normalization(Module):
         scale, bias = self._scale_and_bias()
         dtype = _dtypes.compute_dtype(self, self.dtype, x, scale, bias)
         stats = statistics_dtype(jnp.result_type(x) if self.dtype is None else self.dtype)
-        return normalization(
-            x,
-            scale,
-            bias,
-            mask,
-            reduction_axes=reduction,
-            feature_axes=features,
-            epsilon=self.epsilon,
-            dtype=dtype,
-            stats_dtype=stats,
-            use_mean=use_mean,
-            use_fast_variance=self.use_fast_variance,
-            group_size=group_size,
-        )
+        with unbound_axis_message(self):
+            return normalization(
+                x,
+                scale,
+                bias,
+                mask,
+                reduction_axes=reduction,
+                feature_axes=features,
+                epsilon=self.epsilon,
+                dtype=dtype,
+                stats_dtype=stats,
+                use_mean=use_mean,
+                use_fast_variance=self.use_fast_variance,
+                group_size=group_size,
+                axis_name=self.axis_name,
+                axis_index_groups=self.axis_index_groups,
+            )
 
 
 class _OverAxes(Normalization):
@@ -437,6 +502,8 @@ class _OverAxes(Normalization):
         reduction_axes: int | Sequence[int] = -1,
         feature_axes: int | Sequence[int] = -1,
         use_fast_variance: bool = True,
+        axis_name: Hashable | None = None,
+        axis_index_groups: Any = None,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
@@ -454,6 +521,8 @@ class _OverAxes(Normalization):
             dtype=dtype,
             param_dtype=param_dtype,
             use_fast_variance=use_fast_variance,
+            axis_name=axis_name,
+            axis_index_groups=axis_index_groups,
         )
 
     def _reduction_axes(self, shape: tuple[int, ...], features: tuple[int, ...]) -> tuple[int, ...]:
@@ -482,6 +551,9 @@ class LayerNorm(_OverAxes):
         feature_axes: The axes with a learned scale and bias each (an int or a tuple).
         use_fast_variance: ``E[|x|^2] - |E[x]|^2`` in one pass (Linen's default); False
             computes ``E[|x - E[x]|^2]``, precise for inputs far from zero.
+        axis_name: A mapped axis (``jax.vmap``/``pmap``/``shard_map``) over which the
+            statistics are also averaged (Linen's), or None.
+        axis_index_groups: Groups of that axis' indices averaged separately.
         dtype: Output dtype; None: the promotion of the input's, the scale's and the bias's
             dtypes (Linen's default). Statistics are computed in at least float32.
         param_dtype: Storage dtype of the learned variables (default: `dtype`, float32 when
@@ -525,6 +597,9 @@ class RMSNorm(_OverAxes):
         reduction_axes: The axes the mean square is taken over (an int or a tuple).
         feature_axes: The axes with a learned scale each (an int or a tuple).
         use_fast_variance: Accepted for Linen's signature; the mean square has no second pass.
+        axis_name: A mapped axis (``jax.vmap``/``pmap``/``shard_map``) over which the
+            statistics are also averaged (Linen's), or None.
+        axis_index_groups: Groups of that axis' indices averaged separately.
         dtype: Output dtype; None: the promotion of the input's, the scale's and the bias's
             dtypes (Linen's default). Statistics are computed in at least float32.
         param_dtype: Storage dtype of the learned variables (default: `dtype`, float32 when
@@ -550,6 +625,8 @@ class RMSNorm(_OverAxes):
         reduction_axes: int | Sequence[int] = -1,
         feature_axes: int | Sequence[int] = -1,
         use_fast_variance: bool = True,
+        axis_name: Hashable | None = None,
+        axis_index_groups: Any = None,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
@@ -562,6 +639,8 @@ class RMSNorm(_OverAxes):
             reduction_axes=reduction_axes,
             feature_axes=feature_axes,
             use_fast_variance=use_fast_variance,
+            axis_name=axis_name,
+            axis_index_groups=axis_index_groups,
             dtype=dtype,
             param_dtype=param_dtype,
         )
@@ -600,6 +679,9 @@ class GroupNorm(Normalization):
             or a tuple); None: every axis but the first.
         use_fast_variance: ``E[|x|^2] - |E[x]|^2`` in one pass (Linen's default); False
             computes ``E[|x - E[x]|^2]``, precise for inputs far from zero.
+        axis_name: A mapped axis (``jax.vmap``/``pmap``/``shard_map``) over which the
+            statistics are also averaged (Linen's), or None.
+        axis_index_groups: Groups of that axis' indices averaged separately.
         dtype: Output dtype; None: the promotion of the input's, the scale's and the bias's
             dtypes (Linen's default). Statistics are computed in at least float32.
         param_dtype: Storage dtype of the learned variables (default: `dtype`, float32 when
@@ -634,6 +716,8 @@ class GroupNorm(Normalization):
         bias_init: Initializer = initializers.zeros(),
         reduction_axes: int | Sequence[int] | None = None,
         use_fast_variance: bool = True,
+        axis_name: Hashable | None = None,
+        axis_index_groups: Any = None,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
@@ -658,6 +742,8 @@ class GroupNorm(Normalization):
             dtype=dtype,
             param_dtype=param_dtype,
             use_fast_variance=use_fast_variance,
+            axis_name=axis_name,
+            axis_index_groups=axis_index_groups,
         )
         if (num_groups is None) == (group_size is None):
             raise ValueError(
@@ -735,6 +821,9 @@ class InstanceNorm(Normalization):
             axis); the statistics are taken over the others but the first.
         use_fast_variance: ``E[|x|^2] - |E[x]|^2`` in one pass (Linen's default); False
             computes ``E[|x - E[x]|^2]``, precise for inputs far from zero.
+        axis_name: A mapped axis (``jax.vmap``/``pmap``/``shard_map``) over which the
+            statistics are also averaged (Linen's), or None.
+        axis_index_groups: Groups of that axis' indices averaged separately.
         dtype: Output dtype; None: the promotion of the input's, the scale's and the bias's
             dtypes (Linen's default). Statistics are computed in at least float32.
         param_dtype: Storage dtype of the learned variables (default: `dtype`, float32 when
@@ -765,6 +854,8 @@ class InstanceNorm(Normalization):
         bias_init: Initializer = initializers.zeros(),
         feature_axes: int | Sequence[int] = -1,
         use_fast_variance: bool = True,
+        axis_name: Hashable | None = None,
+        axis_index_groups: Any = None,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
     ):
@@ -787,6 +878,8 @@ class InstanceNorm(Normalization):
             dtype=dtype,
             param_dtype=param_dtype,
             use_fast_variance=use_fast_variance,
+            axis_name=axis_name,
+            axis_index_groups=axis_index_groups,
         )
 
     def _reduction_axes(self, shape: tuple[int, ...], features: tuple[int, ...]) -> tuple[int, ...]:
