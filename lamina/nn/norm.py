@@ -22,6 +22,7 @@ feature_axes=(-2, -1))`` normalises ``(..., 4, 5)`` inputs over their last two a
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -334,7 +335,7 @@ def unbound_axis_message(layer: Any) -> Iterator[None]:
         ) from None
 
 
-class Normalization(Module):
+class Normalization(Module, abc.ABC):
     """What the normalisation layers share: sizes, epsilon, dtypes, scale and bias.
 
     `BatchNorm`, `LayerNorm`, `RMSNorm`, `GroupNorm` and `InstanceNorm` declare ``scale``
@@ -426,8 +427,9 @@ class Normalization(Module):
         axes_text = "" if axes == (-1,) else f", {option}={_show(axes)}"
         return f"{type(self).__name__}(size={self.size}{axes_text})"
 
+    @abc.abstractmethod
     def _reduction_axes(self, shape: tuple[int, ...], features: tuple[int, ...]) -> tuple[int, ...]:
-        raise NotImplementedError
+        """The axes the statistics reduce, for an input of `shape` with feature axes `features`."""
 
     def _axes(self, x: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The reduction and feature axes for input `x`, checked: ``(reduction, features)``."""
