@@ -139,7 +139,10 @@ class Block(lm.Module):
         # residual stream scaled down by sqrt(2 * layers), one for each residual addition.
         weights = lm.initializers.normal(0.02)
         residual = lm.initializers.normal(0.02 / math.sqrt(2 * layers))
-        self.attention_norm = lm.LayerNorm(width, epsilon=1e-5)
+        # Logical axis names (for examples/sharded_training.py; on one device they do
+        # nothing): Megatron's layout splits attention by heads and the MLP by hidden units.
+        norm = {"scale_sharding": ("embed",), "bias_sharding": ("embed",)}
+        self.attention_norm = lm.LayerNorm(width, epsilon=1e-5, **norm)
         self.attention = lm.MultiHeadAttention(
             heads,
             width,
@@ -148,10 +151,26 @@ class Block(lm.Module):
             kernel_init=weights,
             out_kernel_init=residual,
             decode_shape=decode_shape,
+            kernel_sharding=("embed", "heads", "kv"),
+            bias_sharding=("heads", "kv"),
+            out_kernel_sharding=("heads", "kv", "embed"),
+            out_bias_sharding=("embed",),
         )
-        self.mlp_norm = lm.LayerNorm(width, epsilon=1e-5)
-        self.mlp_in = lm.Dense(width, 4 * width, kernel_init=weights)
-        self.mlp_out = lm.Dense(4 * width, width, kernel_init=residual)
+        self.mlp_norm = lm.LayerNorm(width, epsilon=1e-5, **norm)
+        self.mlp_in = lm.Dense(
+            width,
+            4 * width,
+            kernel_init=weights,
+            kernel_sharding=("embed", "mlp"),
+            bias_sharding=("mlp",),
+        )
+        self.mlp_out = lm.Dense(
+            4 * width,
+            width,
+            kernel_init=residual,
+            kernel_sharding=("mlp", "embed"),
+            bias_sharding=("embed",),
+        )
         self.dropout = lm.Dropout(dropout)
 
     def __call__(self, x, is_training=False, decode=False):
@@ -187,8 +206,12 @@ class CharTransformer(lm.Module):
     ):
         super().__init__()
         weights = lm.initializers.normal(0.02)
-        self.token = lm.Embed(vocab_size, width, embedding_init=weights)
-        self.position = lm.Embed(block_size, width, embedding_init=weights)
+        self.token = lm.Embed(
+            vocab_size, width, embedding_init=weights, embedding_sharding=("vocab", "embed")
+        )
+        self.position = lm.Embed(
+            block_size, width, embedding_init=weights, embedding_sharding=(None, "embed")
+        )
         self.dropout = lm.Dropout(dropout)
         decode_shape = None if decode_batch is None else (decode_batch, block_size)
         # `unroll`: blocks per step of the Stack's scan. All of them (straight-line code) is
@@ -196,9 +219,19 @@ class CharTransformer(lm.Module):
         # program the size of one block, whatever the depth.
         block = Block(width, heads, dropout, layers, decode_shape)
         self.blocks = lm.Stack(block, layers, unroll=unroll)
-        self.norm = lm.LayerNorm(width, epsilon=1e-5)
+        self.norm = lm.LayerNorm(
+            width, epsilon=1e-5, scale_sharding=("embed",), bias_sharding=("embed",)
+        )
         # Tied: the output layer is the token embedding read backwards (`Embed.attend`).
-        self.head = None if tie else lm.Dense(width, vocab_size, kernel_init=weights)
+        self.head = None
+        if not tie:
+            self.head = lm.Dense(
+                width,
+                vocab_size,
+                kernel_init=weights,
+                kernel_sharding=("embed", "vocab"),
+                bias_sharding=("vocab",),
+            )
 
     def __call__(self, ids, is_training=False, *, decode=False, start=0):
         positions = start + jnp.arange(ids.shape[-1], dtype=jnp.int32)
@@ -422,40 +455,12 @@ def train(args, data: Text) -> dict:
     params, opt_state, train_key, sample_key = setup(args.seed)
     batches = Batches(data.train, args, args.seed, split)
     train_step, evaluate = make_steps(apply, optimizer, split)
-    val_inputs, val_targets = validation_windows(data, args, split)
+    validation = validation_windows(data, args, split)
 
-    eval_steps = sorted({*range(0, args.iters, args.eval_interval), args.iters})
-    history, losses = [], []
-    eval_seconds = first_step_seconds = 0.0
-    bar = tqdm(total=args.iters, unit="it", disable=args.quiet, leave=False, mininterval=0.5)
-    start = time.perf_counter()
-    for step in range(args.iters + 1):
-        if step in eval_steps:
-            jax.block_until_ready(params)  # the steps before it count as training time
-            tick = time.perf_counter()
-            val_loss = float(evaluate(params, val_inputs, val_targets))
-            eval_seconds += time.perf_counter() - tick
-            recent = losses[-args.eval_interval :]
-            train_loss = float(np.mean(jax.device_get(recent))) if recent else None
-            history.append({"step": step, "train_loss": train_loss, "val_loss": val_loss})
-            shown = "-" if train_loss is None else f"{train_loss:.4f}"
-            message = f"step {step:5d}  train loss {shown}  val loss {val_loss:.4f}"
-            (print if args.quiet else tqdm.write)(message)
-        if step == args.iters:
-            break
-        tick = time.perf_counter()
-        inputs, targets = batches.next()
-        params, opt_state, loss = train_step(params, opt_state, inputs, targets, train_key, step)
-        losses.append(loss)
-        if step == 0:  # the step that compiles
-            jax.block_until_ready(loss)
-            first_step_seconds = time.perf_counter() - tick
-        if (step + 1) % args.log_interval == 0 or step + 1 == args.iters:
-            recent = np.mean(jax.device_get(losses[-args.log_interval :]))
-            bar.set_postfix(loss=f"{recent:.4f}")  # one wait per interval, not per step
-            bar.update(step + 1 - bar.n)
-    bar.close()
-    loop_seconds = time.perf_counter() - start
+    run = fit(args, (params, opt_state), train_step, evaluate, batches, validation, train_key)
+    params, history, losses = run["params"], run["history"], run["losses"]
+    loop_seconds, eval_seconds = run["seconds"], run["eval_seconds"]
+    first_step_seconds = run["first_step_seconds"]
     steady_seconds = loop_seconds - eval_seconds - first_step_seconds
     ms_per_iter = 1000 * steady_seconds / max(args.iters - 1, 1)
 
@@ -483,6 +488,55 @@ def train(args, data: Text) -> dict:
         "ms_per_iter": ms_per_iter,
         "devices": len(devices),
         "sample": text,
+    }
+
+
+def fit(args, state, train_step, evaluate, batches, validation, key) -> dict:
+    """The training loop: --iters steps from ``state = (params, opt_state)``, evaluating on
+    the `validation` windows every --eval-interval iterations, with a progress bar.
+
+    Returns the final params, the evaluations (`history`), the loss of every step (device
+    arrays) and the seconds spent: in all, in evaluation, and in the first step (compiling).
+    """
+    params, opt_state = state
+    eval_steps = sorted({*range(0, args.iters, args.eval_interval), args.iters})
+    history, losses = [], []
+    eval_seconds = first_step_seconds = 0.0
+    bar = tqdm(total=args.iters, unit="it", disable=args.quiet, leave=False, mininterval=0.5)
+    start = time.perf_counter()
+    for step in range(args.iters + 1):
+        if step in eval_steps:
+            jax.block_until_ready(params)  # the steps before it count as training time
+            tick = time.perf_counter()
+            val_loss = float(evaluate(params, *validation))
+            eval_seconds += time.perf_counter() - tick
+            recent = losses[-args.eval_interval :]
+            train_loss = float(np.mean(jax.device_get(recent))) if recent else None
+            history.append({"step": step, "train_loss": train_loss, "val_loss": val_loss})
+            shown = "-" if train_loss is None else f"{train_loss:.4f}"
+            message = f"step {step:5d}  train loss {shown}  val loss {val_loss:.4f}"
+            (print if args.quiet else tqdm.write)(message)
+        if step == args.iters:
+            break
+        tick = time.perf_counter()
+        inputs, targets = batches.next()
+        params, opt_state, loss = train_step(params, opt_state, inputs, targets, key, step)
+        losses.append(loss)
+        if step == 0:  # the step that compiles
+            jax.block_until_ready(loss)
+            first_step_seconds = time.perf_counter() - tick
+        if (step + 1) % args.log_interval == 0 or step + 1 == args.iters:
+            recent = np.mean(jax.device_get(losses[-args.log_interval :]))
+            bar.set_postfix(loss=f"{recent:.4f}")  # one wait per interval, not per step
+            bar.update(step + 1 - bar.n)
+    bar.close()
+    return {
+        "params": params,
+        "history": history,
+        "losses": losses,
+        "seconds": time.perf_counter() - start,
+        "eval_seconds": eval_seconds,
+        "first_step_seconds": first_step_seconds,
     }
 
 

@@ -18,10 +18,13 @@ Example:
 
 from . import data as data
 from . import initializers as initializers
+from . import interop as interop
+from . import io as io
 from . import utils as utils
 from ._core.autodiff import DiffState as DiffState
 from ._core.autodiff import grad as grad
 from ._core.autodiff import value_and_grad as value_and_grad
+from ._core.errors import CheckpointError as CheckpointError
 from ._core.errors import FrozenModuleError as FrozenModuleError
 from ._core.errors import ImmutableVariableError as ImmutableVariableError
 from ._core.errors import RngError as RngError
@@ -62,6 +65,7 @@ from ._core.selection import filter_variables as filter_variables
 from ._core.selection import mask as mask
 from ._core.selection import merge as merge
 from ._core.selection import split as split
+from ._core.sharding import shardings as shardings
 from ._core.submodule import put_variables as put_variables
 from ._core.submodule import take_variables as take_variables
 from ._core.transform import AssignReport as AssignReport
@@ -75,6 +79,11 @@ from ._core.variables import Cache as Cache
 from ._core.variables import Parameter as Parameter
 from ._core.variables import State as State
 from .activations import *  # noqa: F403 - the activation functions, flat
+from .interop import from_torch as from_torch
+from .interop import register_torch as register_torch
+from .interop import to_torch as to_torch
+from .io import load as load
+from .io import save as save
 from .model_summary import Summary as Summary
 from .model_summary import summary as summary
 from .nn import RNN as RNN

@@ -12,6 +12,10 @@ class VariablesError(ValueError):
     """Variables that do not fit the model: missing, unexpected or misshapen entries."""
 
 
+class CheckpointError(ValueError):
+    """A file that is not a readable checkpoint: truncated, corrupted, or in another format."""
+
+
 class FrozenModuleError(AttributeError):
     """An attribute of a module was assigned while the module was being applied."""
 

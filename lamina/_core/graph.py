@@ -206,17 +206,31 @@ class VariableEntry:
         axes: Sizes of the axes stored in front of the declared shape (a `Stack`'s depth, a
             vmapped ensemble's members); empty for a plain variable. Everything that checks
             shapes reads `shape`, never ``state.shape``.
+        axis_names: The logical name of each of `axes` (``Stack(..., depth_sharding=...)``),
+            None for an unnamed one; as long as `axes`.
     """
 
     path: Path
     state: State
     key: FlatKey
     axes: tuple[int, ...] = ()
+    axis_names: tuple[str | None, ...] = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape stored in the variables: `axes` in front of the declared shape."""
         return self.axes + self.state.shape
+
+    @property
+    def logical_axes(self) -> tuple[str | None, ...]:
+        """A logical axis name (or None) for each dimension of `shape`.
+
+        `axis_names`, then the declaration's ``sharding`` (all None when it has none).
+        """
+        declared = self.state.sharding
+        return self.axis_names + (
+            (None,) * len(self.state.shape) if declared is None else tuple(declared)
+        )
 
     @property
     def collection(self) -> str:
@@ -263,7 +277,8 @@ class Plan:
                 key = (node.collection, *(str(k) for k in path))
                 _insert(skeleton, key, len(declared), declared)
                 axes = tuple(node._lamina_axes)
-                declared.append(VariableEntry(path, node, key, axes))
+                names = _axis_names(node, len(axes))
+                declared.append(VariableEntry(path, node, key, axes, names))
         order, treedef = jax.tree_util.tree_flatten(skeleton)
         self.treedef: jax.tree_util.PyTreeDef = treedef
         self.modules = tuple(modules)
@@ -323,6 +338,13 @@ class Plan:
             len(raw).to_bytes(4, "little") + raw for raw in (part.encode() for part in entry.key)
         )
         return zlib.crc32(encoded) | 0x80000000
+
+
+def _axis_names(state: State, count: int) -> tuple[str | None, ...]:
+    """The logical names of `state`'s `count` leading axes (set by `Stack`), None if unnamed."""
+    names = tuple(getattr(state, "_lamina_axis_names", ()))
+    padded = (None,) * count + names
+    return padded[len(padded) - count :]
 
 
 def _insert(skeleton: dict, key: FlatKey, value: int, declared: list[VariableEntry]) -> None:

@@ -107,16 +107,23 @@ def check_variables(
     what: str,
     allow_missing: bool = False,
     allow_unexpected: bool = False,
+    dtypes: bool = False,
+    hint: str | None = None,
 ) -> None:
     """Raises one `VariablesError` listing every mismatch between `flat` and `plan`.
 
     Args:
         plan: The model's plan.
-        flat: Variables flattened by `flatten_variables`.
+        flat: Variables flattened by `flatten_variables` (arrays, or anything with ``shape``
+            and, when `dtypes`, ``dtype``).
         what: Where the check happens, for messages.
         allow_missing: Whether the model may have variables that `flat` lacks.
         allow_unexpected: Whether `flat` may hold paths the model lacks. Shape mismatches are
             always errors.
+        dtypes: Whether each leaf's dtype must be its variable's storage dtype (a file that
+            is loaded must hold exactly what `init` makes; arguments to `apply` may be cast).
+        hint: What to do about a mismatch (the default speaks of `init` and
+            `assign_variables`).
     """
     problems = []
     missing = [] if allow_missing else [e.name for e in plan.variables if e.key not in flat]
@@ -134,10 +141,19 @@ def check_variables(
                 wrong.append(f"{entry.name}: expected {entry.shape}, got {got}")
     if wrong:
         problems.append(f"wrong shape ({len(wrong)}): {format_list(wrong, limit=5)}")
+    if dtypes:
+        kinds = []
+        for entry in plan.variables:
+            if entry.key in flat:
+                got, expected = flat[entry.key].dtype, np.dtype(entry.state.param_dtype)
+                if not isinstance(got, np.dtype) or got != expected:
+                    kinds.append(f"{entry.name}: expected {expected.name}, got {_name(got)}")
+        if kinds:
+            problems.append(f"wrong dtype ({len(kinds)}): {format_list(kinds, limit=5)}")
     if not problems:
         return
     model = type(plan.root).__name__
-    hint = (
+    hint = hint or (
         "Pass the dict that init (or a previous apply) returned for this same model; after "
         "changing the model, run init again or carry weights over with lm.assign_variables."
     )
@@ -150,6 +166,11 @@ def check_variables(
     raise VariablesError(
         f"{what} got variables that do not match {model}:\n  " + "\n  ".join(problems) + f"\n{hint}"
     )
+
+
+def _name(dtype: Any) -> str:
+    """A dtype's name (``bfloat16``), or what stands for one (a file's unknown type code)."""
+    return getattr(dtype, "name", str(dtype))
 
 
 def _shape_of(leaf: Any) -> tuple[int, ...] | str:

@@ -140,10 +140,21 @@ class Projection(Module):
         bias_init: Initializer,
         dtype: Any,
         param_dtype: Any,
+        kernel_sharding: tuple[str | None, ...] | None = None,
+        bias_sharding: tuple[str | None, ...] | None = None,
     ):
         super().__init__()
         self.kernel, self.bias = declare(
-            kernel_shape, bias_shape, n_in, use_bias, kernel_init, bias_init, dtype, param_dtype
+            kernel_shape,
+            bias_shape,
+            n_in,
+            use_bias,
+            kernel_init,
+            bias_init,
+            dtype,
+            param_dtype,
+            kernel_sharding,
+            bias_sharding,
         )
 
     def arrays(self) -> tuple[jax.Array, jax.Array | None]:

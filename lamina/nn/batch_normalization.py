@@ -139,6 +139,10 @@ class BatchNorm(Normalization):
             dtypes (Linen's default). Statistics are computed in at least float32.
         param_dtype: Storage dtype of ``scale`` and ``bias`` (default: `dtype`, float32 when
             `dtype` is None), which are also applied in it, as Linen does.
+        scale_sharding: Logical axis names of the scale, one per feature axis (e.g.
+            ``("embed",)``), for `lm.shardings`; the running ``mean`` and ``var`` have the
+            same axes and take the same names. None: replicated.
+        bias_sharding: Logical axis names of the bias, likewise.
 
     Everything after `size` is keyword-only.
 
@@ -177,6 +181,8 @@ class BatchNorm(Normalization):
         use_fast_variance: bool = True,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
+        scale_sharding: Sequence[str | None] | None = None,
+        bias_sharding: Sequence[str | None] | None = None,
     ):
         where = type(self).__name__
         self.axis = axes_setting(where, "axis", axis)
@@ -193,6 +199,8 @@ class BatchNorm(Normalization):
             use_fast_variance=use_fast_variance,
             axis_name=axis_name,
             axis_index_groups=axis_index_groups,
+            scale_sharding=scale_sharding,
+            bias_sharding=bias_sharding,
         )
         self.momentum = _checks.non_negative(
             where,
@@ -202,8 +210,10 @@ class BatchNorm(Normalization):
             meaning=" (the weight of the old running average, typically 0.9 to 0.999)",
         )
         stats = statistics_dtype(self.param_dtype if self.dtype is None else self.dtype)
-        self.mean = BatchStat(self.feature_shape, initializers.zeros(), stats)
-        self.var = BatchStat(self.feature_shape, initializers.ones(), _real(stats))
+        shape = self.feature_shape
+        names = _checks.sharding(where, "scale_sharding", scale_sharding, len(shape))
+        self.mean = BatchStat(shape, initializers.zeros(), stats, sharding=names)
+        self.var = BatchStat(shape, initializers.ones(), _real(stats), sharding=names)
 
     def _reduction_axes(self, shape: tuple[int, ...], features: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(a for a in range(len(shape)) if a not in features)

@@ -139,6 +139,13 @@ class LoRA(Module):
     ``kernel_size + (in_size, rank)``, and ``lora_b`` a 1x1 projection ``(rank, out_size)``;
     their product, contracted over the rank axis, has the base kernel's shape.
 
+    Sharding: the adapters take their logical axis names from the base's kernel
+    (``kernel_sharding``), so that they split as the base does: ``lora_a`` the kernel's
+    names for its input axes (and window) with an unnamed rank axis, ``lora_b`` an unnamed
+    rank axis and the kernel's output name. With a kernel ``("embed", "mlp")``, ``lora_a`` is
+    ``("embed", None)`` and ``lora_b`` ``(None, "mlp")``; `lm.shardings` maps them by the same
+    rules. To lay them out otherwise, set ``lora.lora_a.sharding`` before planning.
+
     The rank may be at most the rank the base's weight can have as a matrix:
     ``min(in_size, out_size)`` for a `Dense`, ``min(prod(kernel_size) * in_size, out_size)``
     for a `Conv` (its kernel seen as a ``(prod(kernel_size) * in_size, out_size)`` matrix). A
@@ -260,8 +267,15 @@ class LoRA(Module):
         window = base.kernel_size if isinstance(base, Conv) else ()
         a_init = _checks.initializer(where, "a_init", a_init)
         b_init = _checks.initializer(where, "b_init", b_init)
-        self.lora_a = LoRAParam((*window, base.in_size, rank), a_init, self.dtype, self.param_dtype)
-        self.lora_b = LoRAParam((rank, base.out_size), b_init, self.dtype, self.param_dtype)
+        names = base.kernel.sharding  # (*window, in, out) or None
+        a_names = None if names is None else (*names[:-1], None)
+        b_names = None if names is None else (None, names[-1])
+        self.lora_a = LoRAParam(
+            (*window, base.in_size, rank), a_init, self.dtype, self.param_dtype, sharding=a_names
+        )
+        self.lora_b = LoRAParam(
+            (rank, base.out_size), b_init, self.dtype, self.param_dtype, sharding=b_names
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Applies the base layer to `x` and adds the low-rank update."""

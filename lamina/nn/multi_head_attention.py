@@ -156,6 +156,15 @@ class MultiHeadAttention(Module):
         bias_init: Initializer of the biases.
         out_kernel_init: Initializer of the output kernel (default `kernel_init`).
         out_bias_init: Initializer of the output bias (default `bias_init`).
+        kernel_sharding: Logical axis names of the query, key and value kernels, ``(in,
+            heads, head_dim)``, e.g. ``("embed", "heads", "kv")`` (for `lm.shardings`; None:
+            replicated). The three share one layout, as they share `kernel_init`.
+        bias_sharding: Logical axis names of their biases, ``(heads, head_dim)``.
+        out_kernel_sharding: Logical axis names of the output kernel, ``(heads, head_dim,
+            out)``, e.g. ``("heads", "kv", "embed")``. Not derived from `kernel_sharding`
+            (its axes are in another order): None replicates it.
+        out_bias_sharding: Logical axis name of the output bias, ``(out,)``. (The small
+            ``query_ln``/``key_ln`` scales and the decoding cache are not named: replicated.)
         dtype: Compute dtype (inputs, variables and cache are used in it); None computes
             each step in the promotion of its operands, as Linen's default: each projection
             in that of its input and variables, the attention in that of the queries, keys
@@ -259,6 +268,10 @@ class MultiHeadAttention(Module):
         bias_init: Initializer = initializers.zeros(),
         out_kernel_init: Initializer | None = None,
         out_bias_init: Initializer | None = None,
+        kernel_sharding: Sequence[str | None] | None = None,
+        bias_sharding: Sequence[str | None] | None = None,
+        out_kernel_sharding: Sequence[str | None] | None = None,
+        out_bias_sharding: Sequence[str | None] | None = None,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
         precision: Any = None,
@@ -310,21 +323,39 @@ class MultiHeadAttention(Module):
         use_bias, dtype, param_dtype = self.use_bias, self.dtype, self.param_dtype
 
         heads = (self.num_heads, self.head_dim)
+        kernel_names = _checks.sharding(name, "kernel_sharding", kernel_sharding, 3)
+        bias_names = _checks.sharding(name, "bias_sharding", bias_sharding, 2)
+        out_kernel_names = _checks.sharding(name, "out_kernel_sharding", out_kernel_sharding, 3)
+        out_bias_names = _checks.sharding(name, "out_bias_sharding", out_bias_sharding, 1)
 
-        def projection(kernel_shape: tuple, bias_shape: tuple, n_in: int, k_init: Any, b_init: Any):
+        def projection(size: int) -> Projection:
             return Projection(
-                kernel_shape, bias_shape, n_in, use_bias, k_init, b_init, dtype, param_dtype
+                (size, *heads),
+                heads,
+                1,
+                use_bias,
+                kernel_init,
+                bias_init,
+                dtype,
+                param_dtype,
+                kernel_names,
+                bias_names,
             )
 
-        self.query = projection((self.in_size, *heads), heads, 1, kernel_init, bias_init)
-        self.key = projection((self.key_size, *heads), heads, 1, kernel_init, bias_init)
-        self.value = projection((self.value_size, *heads), heads, 1, kernel_init, bias_init)
-        self.out = projection(
+        self.query = projection(self.in_size)
+        self.key = projection(self.key_size)
+        self.value = projection(self.value_size)
+        self.out = Projection(
             (*heads, self.out_size),
             (self.out_size,),
             2,
+            use_bias,
             out_kernel_init,
             out_bias_init,
+            dtype,
+            param_dtype,
+            out_kernel_names,
+            out_bias_names,
         )
         # Linen's LayerNorms of the queries and keys per head (ViT-22B's QK normalisation).
         self.query_ln: LayerNorm | None = None

@@ -374,6 +374,8 @@ class Normalization(Module, abc.ABC):
         use_fast_variance: bool,
         axis_name: Hashable | None = None,
         axis_index_groups: Any = None,
+        scale_sharding: Sequence[str | None] | None = None,
+        bias_sharding: Sequence[str | None] | None = None,
     ):
         super().__init__()
         where = type(self).__name__
@@ -390,8 +392,18 @@ class Normalization(Module, abc.ABC):
         scale_init = _checks.initializer(where, "scale_init", scale_init)
         bias_init = _checks.initializer(where, "bias_init", bias_init)
         stored, shape = self.param_dtype, self.feature_shape
-        self.scale = Parameter(shape, scale_init, stored, stored) if self.use_scale else None
-        self.bias = Parameter(shape, bias_init, stored, stored) if self.use_bias else None
+        scale_sharding = _checks.sharding(where, "scale_sharding", scale_sharding, len(shape))
+        bias_sharding = _checks.sharding(where, "bias_sharding", bias_sharding, len(shape))
+        self.scale = (
+            Parameter(shape, scale_init, stored, stored, sharding=scale_sharding)
+            if self.use_scale
+            else None
+        )
+        self.bias = (
+            Parameter(shape, bias_init, stored, stored, sharding=bias_sharding)
+            if self.use_bias
+            else None
+        )
 
     @property
     def feature_shape(self) -> tuple[int, ...]:
@@ -508,6 +520,8 @@ class _OverAxes(Normalization):
         axis_index_groups: Any = None,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
+        scale_sharding: Sequence[str | None] | None = None,
+        bias_sharding: Sequence[str | None] | None = None,
     ):
         where = type(self).__name__
         self.reduction_axes = axes_setting(where, "reduction_axes", reduction_axes)
@@ -525,6 +539,8 @@ class _OverAxes(Normalization):
             use_fast_variance=use_fast_variance,
             axis_name=axis_name,
             axis_index_groups=axis_index_groups,
+            scale_sharding=scale_sharding,
+            bias_sharding=bias_sharding,
         )
 
     def _reduction_axes(self, shape: tuple[int, ...], features: tuple[int, ...]) -> tuple[int, ...]:
@@ -560,6 +576,9 @@ class LayerNorm(_OverAxes):
             dtypes (Linen's default). Statistics are computed in at least float32.
         param_dtype: Storage dtype of the learned variables (default: `dtype`, float32 when
             `dtype` is None), which are also applied in it, as Linen does.
+        scale_sharding: Logical axis names of the scale, one per feature axis (e.g.
+            ``("embed",)``), for `lm.shardings`; None: replicated.
+        bias_sharding: Logical axis names of the bias, likewise.
 
     Everything after `size` is keyword-only.
 
@@ -606,6 +625,8 @@ class RMSNorm(_OverAxes):
             dtypes (Linen's default). Statistics are computed in at least float32.
         param_dtype: Storage dtype of the learned variables (default: `dtype`, float32 when
             `dtype` is None), which are also applied in it, as Linen does.
+        scale_sharding: Logical axis names of the scale, one per feature axis (e.g.
+            ``("embed",)``), for `lm.shardings`; None: replicated.
 
     Everything after `size` is keyword-only.
 
@@ -631,6 +652,7 @@ class RMSNorm(_OverAxes):
         axis_index_groups: Any = None,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
+        scale_sharding: Sequence[str | None] | None = None,
     ):
         super().__init__(
             size,
@@ -645,6 +667,7 @@ class RMSNorm(_OverAxes):
             axis_index_groups=axis_index_groups,
             dtype=dtype,
             param_dtype=param_dtype,
+            scale_sharding=scale_sharding,
         )
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
@@ -688,6 +711,9 @@ class GroupNorm(Normalization):
             dtypes (Linen's default). Statistics are computed in at least float32.
         param_dtype: Storage dtype of the learned variables (default: `dtype`, float32 when
             `dtype` is None), which are also applied in it, as Linen does.
+        scale_sharding: Logical axis names of the scale, one per feature axis (e.g.
+            ``("embed",)``), for `lm.shardings`; None: replicated.
+        bias_sharding: Logical axis names of the bias, likewise.
 
     Everything after `size` is keyword-only.
 
@@ -722,6 +748,8 @@ class GroupNorm(Normalization):
         axis_index_groups: Any = None,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
+        scale_sharding: Sequence[str | None] | None = None,
+        bias_sharding: Sequence[str | None] | None = None,
     ):
         where = type(self).__name__
         if _checks.is_int(size) or not isinstance(size, (tuple, list)):
@@ -746,6 +774,8 @@ class GroupNorm(Normalization):
             use_fast_variance=use_fast_variance,
             axis_name=axis_name,
             axis_index_groups=axis_index_groups,
+            scale_sharding=scale_sharding,
+            bias_sharding=bias_sharding,
         )
         if (num_groups is None) == (group_size is None):
             raise ValueError(
@@ -830,6 +860,9 @@ class InstanceNorm(Normalization):
             dtypes (Linen's default). Statistics are computed in at least float32.
         param_dtype: Storage dtype of the learned variables (default: `dtype`, float32 when
             `dtype` is None), which are also applied in it, as Linen does.
+        scale_sharding: Logical axis names of the scale, one per feature axis (e.g.
+            ``("embed",)``), for `lm.shardings`; None: replicated.
+        bias_sharding: Logical axis names of the bias, likewise.
 
     Everything after `size` is keyword-only.
 
@@ -860,6 +893,8 @@ class InstanceNorm(Normalization):
         axis_index_groups: Any = None,
         dtype: Any = jnp.float32,
         param_dtype: Any = None,
+        scale_sharding: Sequence[str | None] | None = None,
+        bias_sharding: Sequence[str | None] | None = None,
     ):
         where = type(self).__name__
         self.feature_axes = axes_setting(where, "feature_axes", feature_axes)
@@ -882,6 +917,8 @@ class InstanceNorm(Normalization):
             use_fast_variance=use_fast_variance,
             axis_name=axis_name,
             axis_index_groups=axis_index_groups,
+            scale_sharding=scale_sharding,
+            bias_sharding=bias_sharding,
         )
 
     def _reduction_axes(self, shape: tuple[int, ...], features: tuple[int, ...]) -> tuple[int, ...]:

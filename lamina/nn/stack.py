@@ -33,6 +33,10 @@ class Stack(Module):
         unroll: Copies run per loop iteration (`jax.lax.scan`'s ``unroll``; True for all).
             On CPUs a few unrolled layers can run faster than the loop (XLA fuses across
             them) at the cost of a program that grows with ``unroll``.
+        depth_sharding: The logical axis name of the stacked leading axis, which
+            `lm.shardings` maps to a mesh axis by its rules; None (the default): the depth is
+            not sharded, and each device holds its part of every copy, as the block's own
+            names say.
 
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
@@ -43,13 +47,30 @@ class Stack(Module):
         (3, 4, 4)
         >>> apply(variables, None, jnp.ones((2, 4)))[0].shape
         (2, 4)
+
+        The leading axis comes first in the logical names `lm.shardings` reads:
+
+        >>> block = lm.Dense(4, 4, kernel_sharding=("embed", "mlp"))
+        >>> stack = lm.Stack(block, 3, depth_sharding="layers")
+        >>> mesh = jax.sharding.AbstractMesh((4,), ("model",))
+        >>> lm.shardings(stack, mesh, {"mlp": "model"})["params"]["block"]["kernel"].spec
+        P(None, None, 'model')
     """
 
     n = _checks.Setting()
     remat = _checks.Setting()
     unroll = _checks.Setting()
+    depth_sharding = _checks.Setting()
 
-    def __init__(self, block: Module, n: int, *, remat: bool = False, unroll: int | bool = 1):
+    def __init__(
+        self,
+        block: Module,
+        n: int,
+        *,
+        remat: bool = False,
+        unroll: int | bool = 1,
+        depth_sharding: str | None = None,
+    ):
         super().__init__()
         where = type(self).__name__
         if not isinstance(block, Module):
@@ -63,9 +84,18 @@ class Stack(Module):
             self.unroll = unroll
         else:
             self.unroll = _checks.positive_int(where, "unroll", unroll)
+        if depth_sharding is not None and not isinstance(depth_sharding, str):
+            raise TypeError(
+                f"{where}: depth_sharding must be None or one logical axis name (a str) for "
+                f"the stacked leading axis, got {depth_sharding!r}."
+            )
+        self.depth_sharding = depth_sharding
         for _, node in walk(block):
             if isinstance(node, State):
+                names = getattr(node, "_lamina_axis_names", (None,) * len(node._lamina_axes))
                 node._lamina_axes = (self.n, *node._lamina_axes)
+                # the logical names of the leading axes, read by the plan (Plan.variables)
+                setattr(node, "_lamina_axis_names", (depth_sharding, *names))  # noqa: B010
         self.block = block
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,134 @@
+"""Writing a file atomically: a temporary file in the same folder, then one rename.
+
+The temporary file is ``.<name>.<16 hex digits>.lamina-tmp`` beside the target. It is written,
+flushed and `fsync`ed, then `os.replace`d onto the target (atomic on POSIX and Windows when
+both lie on one file system, which the shared folder guarantees), and the folder is `fsync`ed
+so that the rename itself survives a power cut. Until the rename the target keeps its old
+contents, whole; if the writer dies first, the temporary file stays behind.
+
+Such strays are removed by the next save to the same target. A writer holds an exclusive
+`flock` on its temporary file while it writes, and the kernel drops the lock when the process
+dies, however it dies: a stray whose lock can be taken belongs to a dead writer; one whose
+lock is held belongs to a save still running (in another thread or process) and is left
+alone. Where `fcntl` is missing (Windows) strays are left; they never shadow the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from typing import IO
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; strays are left in place
+    fcntl = None  # type: ignore[assignment]
+
+_SUFFIX = ".lamina-tmp"
+
+
+def _stray_pattern(name: str) -> re.Pattern[str]:
+    return re.compile(re.escape(f".{name}.") + r"[0-9a-f]{16}" + re.escape(_SUFFIX))
+
+
+def remove_strays(path: str) -> list[str]:
+    """Removes the temporary files that dead writers left beside `path`.
+
+    Args:
+        path: The target file.
+
+    Returns:
+        The paths removed.
+    """
+    if fcntl is None:
+        return []
+    folder, name = os.path.split(os.path.abspath(path))
+    pattern, removed = _stray_pattern(name), []
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return []
+    for entry in entries:
+        if not pattern.fullmatch(entry):
+            continue
+        stray = os.path.join(folder, entry)
+        try:
+            fd = os.open(stray, os.O_RDWR)
+        except OSError:
+            continue  # removed meanwhile, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # a live writer holds it
+            continue
+        try:
+            os.unlink(stray)
+            removed.append(stray)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)  # closing releases the lock
+    return removed
+
+
+def _create_locked(folder: str, name: str) -> tuple[str, int]:
+    """Creates and locks a fresh temporary file; retries if a cleaner removed it meanwhile."""
+    while True:
+        temp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}{_SUFFIX}")
+        # 0o666 and the user's umask: the final file gets the permissions open() would give
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        if fcntl is None:
+            return temp, fd
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(temp)):
+                return temp, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # a cleaner took it between creation and lock: start again
+
+
+@contextlib.contextmanager
+def atomic_file(path: str) -> Iterator[IO[bytes]]:
+    """Opens a temporary file that replaces `path` when the block ends without an exception.
+
+    On an exception the temporary file is removed and `path` is untouched.
+
+    Args:
+        path: The target; its folder must exist.
+
+    Yields:
+        The temporary file, open for binary reading and writing, empty.
+    """
+    folder, name = os.path.split(os.path.abspath(path))
+    remove_strays(path)
+    temp, fd = _create_locked(folder, name)
+    try:
+        with os.fdopen(fd, "r+b") as file:
+            yield file
+            file.flush()
+            os.fsync(file.fileno())
+            if fcntl is not None:
+                os.replace(temp, path)  # still under our lock: no cleaner can take it
+        if fcntl is None:
+            os.replace(temp, path)  # Windows renames only closed files
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    _sync_folder(folder)
+
+
+def _sync_folder(folder: str) -> None:
+    if os.name != "posix":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a folder; the rename is still atomic
+    finally:
+        os.close(fd)
