@@ -396,6 +396,110 @@ UNROLLED = {
 LAMINA = ("lamina (example, Stack)", "lamina list", "lamina Stack, unroll=1")
 
 
+def setup(layers, heads, width, block_size, batch_size, data=None):
+    """(config, vocab_size, inputs, targets, key, weights): one batch and lamina's weights."""
+    data = data or (str(DEFAULT_DATA) if DEFAULT_DATA.is_file() else None)
+    config = example.parse_args(
+        [
+            "--layers",
+            str(layers),
+            "--heads",
+            str(heads),
+            "--width",
+            str(width),
+            "--block-size",
+            str(block_size),
+            "--batch-size",
+            str(batch_size),
+        ]
+        + (["--data", data] if data else [])
+    )
+    text = example.load_text(config)
+    vocab_size = len(text.chars)
+    starts = np.random.default_rng(0).integers(
+        0, len(text.train) - config.block_size - 1, config.batch_size
+    )
+    inputs, targets = example.windows(
+        jnp.asarray(text.train), jnp.asarray(starts), config.block_size
+    )
+    key = jax.random.key(0)
+
+    model = lamina_model(config, vocab_size)
+    init, _ = lm.transform(model)
+    weights = canonical(init(jax.random.key(config.seed))["params"])
+    return config, vocab_size, inputs, targets, key, weights
+
+
+def compile_step(name, config, vocab_size, weights, inputs, targets, key):
+    """(compiled step, (params, opt_state), loss before any step) of one contestant."""
+    params, loss, optimizer = {**CONTESTANTS, **UNROLLED}[name](config, vocab_size, weights)
+    params = jax.tree.map(jnp.copy, params)  # the step donates its buffers: not `weights`
+    opt_state = optimizer.init(params)
+    value = float(jax.jit(loss)(params, inputs, targets, key))
+    step = (
+        jax.jit(make_step(loss, optimizer), donate_argnums=(0, 1))
+        .lower(params, opt_state, inputs, targets, key)
+        .compile()
+    )
+    return step, (params, opt_state), value
+
+
+# run.py's columns: the example's model, and each peer's same straight-line program
+COLUMN_CONTESTANTS = {
+    "lamina": "lamina (example, Stack)",
+    "linen": "Linen list",
+    "nnx": "NNX list",
+}
+COLUMN_NOTES = {
+    "jax": "no hand-written JAX version (about 150 lines); ratios to Linen",
+    "haiku": "not written yet: the model would be ported to Haiku's modules",
+    "equinox": "not written yet: the model would be ported to Equinox's modules",
+}
+SIZES = {  # mode -> (layers, heads, width, block size, batch size, rounds, steps per round)
+    "smoke": (1, 2, 16, 8, 2, 2, 1),
+    "quick": (4, 4, 128, 64, 12, 5, 4),
+    "full": (4, 4, 128, 64, 12, 10, 10),
+}
+
+
+def collect(mode: str = "quick") -> list:
+    """run.py's row: ms per training step (lamina's example beside Linen's and NNX's lists)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from _harness import check_same, interleaved, row_from_samples
+
+    layers, heads, width, block_size, batch_size, rounds, number = SIZES[mode]
+    config, vocab_size, inputs, targets, key, weights = setup(
+        layers, heads, width, block_size, batch_size
+    )
+    fns, losses = {}, {}
+    for column, name in COLUMN_CONTESTANTS.items():
+        step, state, losses[column] = compile_step(
+            name, config, vocab_size, weights, inputs, targets, key
+        )
+        holder = [state]
+
+        def run(step=step, holder=holder):
+            params, opt_state, value = step(*holder[0], inputs, targets, key)
+            holder[0] = (params, opt_state)
+            jax.block_until_ready(value)
+
+        fns[column] = run
+    check_same(losses, rtol=1e-3, atol=1e-4)
+    samples = interleaved(fns, rounds, number)
+    return [
+        row_from_samples(
+            "train_char_transformer",
+            f"train step, char transformer ({layers} blocks, width {width}, context "
+            f"{block_size}, batch {batch_size}), ms",
+            "ms",
+            samples,
+            1e3,
+            base="linen",
+            notes=dict(COLUMN_NOTES),
+        )
+    ]
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -451,35 +555,9 @@ def main():
     if min(args.rounds, args.steps) < 1 or args.warmup < 0:
         parser.error("--rounds and --steps must be at least 1, --warmup at least 0")
 
-    data = args.data or (str(DEFAULT_DATA) if DEFAULT_DATA.is_file() else None)
-    config = example.parse_args(
-        [
-            "--layers",
-            str(args.layers),
-            "--heads",
-            str(args.heads),
-            "--width",
-            str(args.width),
-            "--block-size",
-            str(args.block_size),
-            "--batch-size",
-            str(args.batch_size),
-        ]
-        + (["--data", data] if data else [])
+    config, vocab_size, inputs, targets, key, weights = setup(
+        args.layers, args.heads, args.width, args.block_size, args.batch_size, args.data
     )
-    text = example.load_text(config)
-    vocab_size = len(text.chars)
-    starts = np.random.default_rng(0).integers(
-        0, len(text.train) - config.block_size - 1, config.batch_size
-    )
-    inputs, targets = example.windows(
-        jnp.asarray(text.train), jnp.asarray(starts), config.block_size
-    )
-    key = jax.random.key(0)
-
-    model = lamina_model(config, vocab_size)
-    init, _ = lm.transform(model)
-    weights = canonical(init(jax.random.key(config.seed))["params"])
     stack = "lm.Stack" if hasattr(lm, "Stack") else "a list (lm.Stack is not in lamina yet)"
     print(
         f"model: {config.layers} layers, {config.heads} heads, width {config.width}, context "

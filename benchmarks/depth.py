@@ -234,6 +234,40 @@ def nnx_list(depth, width):
     return nnx_loss(Unrolled(nnx.Rngs(0)))
 
 
+# --- raw JAX -----------------------------------------------------------------------------
+
+
+def raw_params(depth, width):
+    keys = jax.random.split(jax.random.key(0), depth)
+    kernels = jax.vmap(lambda k: jax.nn.initializers.lecun_normal()(k, (width, width)))(keys)
+    return {"kernel": kernels, "bias": jnp.zeros((depth, width))}
+
+
+def raw_list(depth, width):
+    stacked = raw_params(depth, width)
+    params = [{k: v[i] for k, v in stacked.items()} for i in range(depth)]
+    scale = residual_scale(depth)
+
+    def loss(params, x):
+        for p in params:
+            x = x + scale * jax.nn.relu(x @ p["kernel"] + p["bias"])
+        return jnp.mean(x**2)
+
+    return params, loss
+
+
+def raw_scan(depth, width):
+    scale = residual_scale(depth)
+
+    def loss(params, x):
+        def body(x, p):
+            return x + scale * jax.nn.relu(x @ p["kernel"] + p["bias"]), None
+
+        return jnp.mean(jax.lax.scan(body, x, params)[0] ** 2)
+
+    return raw_params(depth, width), loss
+
+
 CONTESTANTS: dict[str, Builder] = {
     "lamina Stack": lamina_stack,
     "lamina list": lamina_list,
@@ -336,6 +370,64 @@ def print_ratios(depths, results, key: str):
         f"\ntrace + compile at depth {depths[-1]} / at depth {depths[0]}: "
         + ", ".join(f"{name} {value:.1f}x" for name, value in growth.items())
     )
+
+
+# run.py's columns: (list contestant, scanned contestant) per column
+COLUMN_CONTESTANTS = {
+    "jax": (raw_list, raw_scan),
+    "lamina": (lamina_list, lamina_stack),
+    "linen": (linen_list, linen_scan),
+    "nnx": (nnx_list, nnx_scan),
+}
+COLUMN_NOTES = {
+    "haiku": "not written yet (hk.layer_stack would be the scan)",
+    "equinox": "not written yet (eqx.filter_vmap + jax.lax.scan would be the scan)",
+}
+DEPTHS = {"smoke": (2,), "quick": (8, 32), "full": (8, 16, 32, 64)}
+
+
+def collect(mode: str = "quick") -> list:
+    """run.py's rows: seconds of trace + compile of a training step, list and scan, per depth.
+
+    Each row holds the median of `repeat` compiles (contestants interleaved), and the
+    spread their minimum and maximum; the extra field holds the depth and the trace times.
+    """
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from _harness import Row
+
+    repeat = {"smoke": 1, "quick": 2, "full": 3}[mode]
+    for list_build, scan_build in COLUMN_CONTESTANTS.values():  # warm-up, untimed
+        measure(list_build, 2, WIDTH, 0)
+        measure(scan_build, 2, WIDTH, 0)
+    rows = []
+    for depth in DEPTHS[mode]:
+        for kind, index in (("list", 0), ("scan", 1)):
+            samples = {column: [] for column in COLUMN_CONTESTANTS}
+            details = {}
+            for _ in range(repeat):
+                for column, builds in COLUMN_CONTESTANTS.items():  # interleaved
+                    row = measure(builds[index], depth, WIDTH, 0)
+                    samples[column].append(row["trace_compile"])
+                    details.setdefault(column, []).append(row)
+            values = {c: statistics.median(t) for c, t in samples.items()}
+            spread = {c: (min(t), max(t)) for c, t in samples.items()}
+            label = "Python list of blocks" if kind == "list" else "scan (lamina: lm.Stack)"
+            rows.append(
+                Row(
+                    f"compile_{kind}_{depth}",
+                    f"trace + compile, {depth} residual Dense({WIDTH}) blocks, {label}, s",
+                    "s",
+                    values,
+                    spread,
+                    notes=dict(COLUMN_NOTES),
+                    extra={
+                        "depth": depth,
+                        "kind": kind,
+                        "trace_s": {c: min(r["trace"] for r in d) for c, d in details.items()},
+                    },
+                )
+            )
+    return rows
 
 
 def run_depths(args, folder):

@@ -89,6 +89,93 @@ def evaluate(eval_step, params, state, data, batch_size):
     return meter.compute()
 
 
+def race(train, num_classes, epochs, batch_size, report=print):
+    """Trains lamina's and Linen's ConvNet on the same batches, epochs alternating.
+
+    Returns:
+        (steps, carries, step_times): each library's (train_step, eval_step), its final
+        (params, state, opt_state) and its seconds per step, one figure per epoch.
+    """
+    shape = train["image"].shape[1:]
+    net = ConvNet(shape[:2], shape[2], num_classes)
+    init, apply = lm.transform(net)
+    variables = init(jr.PRNGKey(0))
+    optimizer = optax.sgd(0.01, momentum=0.9)
+    steps = {
+        "lamina": make_steps(apply, optimizer),
+        "Flax Linen": linen_steps(LinenConvNet(num_classes), optimizer),
+    }
+    params = variables["params"]
+    carries = {name: (params, {}, optimizer.init(params)) for name in steps}
+    rngs = {name: jr.PRNGKey(1) for name in steps}
+    step_times = {name: [] for name in steps}
+    order = np.random.default_rng(0)
+    for epoch in range(epochs):
+        batches = list(lm.data.batches(train, batch_size, rng=order, drop_last=True))
+        for name, (train_step, _) in steps.items():
+            carries[name], per_step, rngs[name] = run_epoch(
+                train_step, carries[name], batches, rngs[name]
+            )
+            step_times[name].append(per_step)
+        report(
+            f"epoch {epoch + 1}: "
+            + ", ".join(f"{name} {1000 * step_times[name][-1]:.2f} ms/step" for name in steps)
+        )
+    return steps, carries, step_times
+
+
+SIZES = {  # mode -> (images per epoch or None for all, epochs, batch size, digits)
+    "smoke": (128, 2, 32, True),
+    "quick": (3200, 3, 64, False),
+    "full": (None, 3, 64, False),
+}
+
+
+def collect(mode: str = "quick") -> list:
+    """run.py's row: seconds per epoch of the example's ConvNet, lamina against Linen.
+
+    Fashion-MNIST when installed (else the 8x8 digits; the row says which); the epoch
+    figure is steps per epoch times the median step time over the epochs after the first
+    (which compiles). --quick trains on the first 3,200 images and scales the time up to
+    a full epoch (the extra field holds the measured figure too).
+    """
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from _harness import Row
+
+    limit, epochs, batch_size, digits = SIZES[mode]
+    if digits or not lm.data.FASHION_MNIST_DIR.is_dir():
+        data = lm.data.load_digits()
+    else:
+        data = lm.data.load_idx_folder(lm.data.FASHION_MNIST_DIR, "Fashion-MNIST")
+    full_steps = len(data.train["label"]) // batch_size
+    train = {k: v[:limit] for k, v in data.train.items()} if limit else data.train
+    _, _, step_times = race(train, data.num_classes, epochs, batch_size, report=lambda _: None)
+    columns = {"lamina": "lamina", "linen": "Flax Linen"}
+    values, spread = {}, {}
+    for column, name in columns.items():
+        later = step_times[name][1:] or step_times[name]
+        values[column] = full_steps * statistics.median(later)
+        spread[column] = (full_steps * min(later), full_steps * max(later))
+    notes = {
+        c: "the example exists in lamina and Linen only (every peer's CNN step: the CNN row)"
+        for c in ("jax", "nnx", "haiku", "equinox")
+    }
+    used = f"first {limit:,} images, scaled to" if limit else "all"
+    return [
+        Row(
+            "mnist_epoch",
+            f"examples/mnist.py, s per epoch ({data.name}, {used} {full_steps:,} steps of "
+            f"{batch_size}, dropout on)",
+            "s",
+            values,
+            spread,
+            notes=notes,
+            base="linen",
+            extra={"data": data.name, "s_per_step": step_times, "steps_per_epoch": full_steps},
+        )
+    ]
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -120,36 +207,11 @@ def main():
     except (FileNotFoundError, lm.data.IdxFormatError) as error:
         raise SystemExit(f"error: {error}") from None
     train = {k: v[: args.limit] for k, v in data.train.items()} if args.limit else data.train
-    shape = train["image"].shape[1:]
-    net = ConvNet(shape[:2], shape[2], data.num_classes)
-    init, apply = lm.transform(net)
-    variables = init(jr.PRNGKey(0))
-    optimizer = optax.sgd(0.01, momentum=0.9)
-    steps = {
-        "lamina": make_steps(apply, optimizer),
-        "Flax Linen": linen_steps(LinenConvNet(data.num_classes), optimizer),
-    }
-    params = variables["params"]
-    carries = {name: (params, {}, optimizer.init(params)) for name in steps}
-    rngs = {name: jr.PRNGKey(1) for name in steps}
-    step_times = {name: [] for name in steps}
-    order = np.random.default_rng(0)
     print(
         f"{data.name}: {len(train['label']):,} training images, batch {args.batch_size}, "
         f"{args.epochs} epochs; jax {jax.__version__} on {jax.default_backend()}"
     )
-    for epoch in range(args.epochs):
-        batches = list(lm.data.batches(train, args.batch_size, rng=order, drop_last=True))
-        for name, (train_step, _) in steps.items():
-            carries[name], per_step, rngs[name] = run_epoch(
-                train_step, carries[name], batches, rngs[name]
-            )
-            step_times[name].append(per_step)
-        print(
-            f"epoch {epoch + 1}: "
-            + ", ".join(f"{name} {1000 * step_times[name][-1]:.2f} ms/step" for name in steps)
-        )
-
+    steps, carries, step_times = race(train, data.num_classes, args.epochs, args.batch_size)
     print(f"\n{'':12s} {'test acc':>9s} {'test loss':>10s} {'ms/step':>8s} {'x Linen':>8s}")
     measured = {name: statistics.median(t[1:] or t) for name, t in step_times.items()}
     for name, (_, eval_step) in steps.items():

@@ -173,6 +173,118 @@ def per_call_us(fn, args, number):
     return timeit.timeit(lambda: jax.block_until_ready(fn(*args)), number=number) / number * 1e6
 
 
+# run.py's columns: each contestant's builder, and how its jitted apply is compiled
+COLUMN_BUILDERS = {
+    "jax": raw_jax,
+    "lamina": lamina_model,
+    "linen": linen_model,
+    "nnx": nnx_model,
+    "haiku": haiku_model,
+    "equinox": equinox_model,
+}
+
+
+def jit_for(column: str, fn):
+    """Each library's own jit: `nnx.jit` and `eqx.filter_jit` for NNX and Equinox."""
+    if column == "nnx":
+        from flax import nnx
+
+        return nnx.jit(fn)
+    if column == "equinox":
+        import equinox as eqx
+
+        return eqx.filter_jit(fn)
+    return jax.jit(fn)
+
+
+def pure_forward(column: str, fn, state):
+    """(forward(params, x), params) with params a pytree of arrays, for `jax.jit` and grad."""
+    if column == "nnx":
+        from flax import nnx
+
+        graphdef, params = nnx.split(state)
+        return (lambda p, x: nnx.merge(graphdef, p)(x)), params
+    return (lambda p, x: first(fn(p, x))), state
+
+
+def collect(mode: str = "quick") -> list:
+    """run.py's rows: eager apply, jitted apply and a jitted Optax step, per call.
+
+    Args:
+        mode: "smoke" (a few calls), "quick" or "full".
+
+    Returns:
+        Three `_harness.Row`s, in microseconds per call.
+    """
+    import optax
+    from _harness import blocking, check_same, interleaved, row_from_samples
+
+    number, rounds = {"smoke": (3, 2), "quick": (100, 7), "full": (400, 15)}[mode]
+    weights = make_weights()
+    x = jax.random.normal(jax.random.key(1), (BATCH, WIDTH))
+    y = jax.random.normal(jax.random.key(2), (BATCH, WIDTH))
+    optimizer = optax.sgd(1e-3, momentum=0.9)
+    eager, jitted, steps, outputs = {}, {}, {}, {}
+    for column, build in {**COLUMN_BUILDERS, "kernels": raw_jax_lamina_kernels}.items():
+        fn, state = build(weights)
+        outputs[column] = first(fn(state, x))
+        eager[column] = blocking(fn, state, x)
+        jitted[column] = blocking(jit_for(column, fn), state, x)
+        if column == "kernels":
+            continue
+        forward, params = pure_forward(column, fn, state)
+
+        def step(params, opt_state, x, y, forward=forward):
+            loss, grads = jax.value_and_grad(lambda p: jnp.mean((forward(p, x) - y) ** 2))(params)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        steps[column] = blocking(jax.jit(step), params, optimizer.init(params), x, y)
+    check_same(outputs)
+    # lamina against the same kernels by hand: a pair of its own, timed back to back with as
+    # many calls as the jitted row (beside the slow eager peers, a few calls per sample after
+    # a 10 ms Linen call measured the kernels at 2.6x their cost, and lamina below them).
+    pair = interleaved({"kernels": eager.pop("kernels"), "lamina": eager["lamina"]}, rounds, number)
+    kernels_eager = interleaved(eager, rounds, number // 10 + 2)
+    kernels_jit = interleaved({"kernels": jitted.pop("kernels"), **jitted}, rounds, number)
+    jit_kernels = kernels_jit.pop("kernels")
+    step_samples = interleaved(steps, rounds, number)
+    what = f"{DEPTH}-layer MLP, width {WIDTH}, batch {BATCH}"
+    notes = {
+        "nnx": "nnx.jit on the module (the jitted row); the step splits and merges",
+        "equinox": "eqx.filter_jit (the jitted row)",
+    }
+    return [
+        row_from_samples(
+            "apply_eager",
+            f"eager apply ({what}), us/call",
+            "us",
+            kernels_eager,
+            1e6,
+            extra={
+                "lamina_kernels_by_hand_us": 1e6 * float(np.median(pair["kernels"])),
+                "lamina_beside_them_us": 1e6 * float(np.median(pair["lamina"])),
+            },
+        ),
+        row_from_samples(
+            "apply_jit",
+            f"jitted apply ({what}), us/call",
+            "us",
+            kernels_jit,
+            1e6,
+            notes=notes,
+            extra={"lamina_kernels_by_hand_us": 1e6 * float(np.median(jit_kernels))},
+        ),
+        row_from_samples(
+            "step_overhead",
+            f"jitted SGD step ({what}), us/call",
+            "us",
+            step_samples,
+            1e6,
+        ),
+    ]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")

@@ -184,24 +184,49 @@ def _real(name: str, setting: str, value: Any) -> Any:
 
 
 def zeros(dtype: Any = None) -> Initializer:
-    """All zeros."""
+    """All zeros.
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> lm.initializers.zeros()(jax.random.key(0), (2,))
+        Array([0., 0.], dtype=float32)
+    """
     return Initializer._of("zeros", jax.nn.initializers.zeros, {}, dtype)
 
 
 def ones(dtype: Any = None) -> Initializer:
-    """All ones."""
+    """All ones.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> lm.initializers.ones(jnp.int32)(jax.random.key(0), (2,))
+        Array([1, 1], dtype=int32)
+    """
     return Initializer._of("ones", jax.nn.initializers.ones, {}, dtype)
 
 
 def constant(value: Any, dtype: Any = None) -> Initializer:
-    """Every element equal to `value` (an array broadcasts to the shape)."""
+    """Every element equal to `value` (an array broadcasts to the shape).
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> lm.initializers.constant(0.5)(jax.random.key(0), (3,))
+        Array([0.5, 0.5, 0.5], dtype=float32)
+    """
     return Initializer._of(
         "constant", jax.nn.initializers.constant(value), {"value": value}, dtype, value=value
     )
 
 
 def normal(stddev: float = 1e-2, dtype: Any = None) -> Initializer:
-    """Normal with mean 0 and the given standard deviation."""
+    """Normal with mean 0 and the given standard deviation.
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> x = lm.initializers.normal(0.02)(jax.random.key(0), (1000,))
+        >>> round(float(x.std()), 2)
+        0.02
+    """
     stddev = _real("normal", "stddev", stddev)
     return Initializer._of(
         "normal", jax.nn.initializers.normal(stddev), {"stddev": stddev}, dtype, stddev=stddev
@@ -209,7 +234,14 @@ def normal(stddev: float = 1e-2, dtype: Any = None) -> Initializer:
 
 
 def uniform(scale: float = 1e-2, dtype: Any = None) -> Initializer:
-    """Uniform on ``[0, scale)``."""
+    """Uniform on ``[0, scale)``.
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> x = lm.initializers.uniform(0.5)(jax.random.key(0), (1000,))
+        >>> bool(x.min() >= 0), bool(x.max() < 0.5)
+        (True, True)
+    """
     scale = _real("uniform", "scale", scale)
     return Initializer._of(
         "uniform", jax.nn.initializers.uniform(scale), {"scale": scale}, dtype, scale=scale
@@ -223,6 +255,12 @@ def truncated_normal(
 
     The arguments are in `jax.nn.initializers.truncated_normal`'s order (and Metoryx's):
     `dtype` second.
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> x = lm.initializers.truncated_normal(1.0)(jax.random.key(0), (1000,))
+        >>> bool(abs(x).max() <= 2.0)
+        True
     """
     config = {
         "stddev": _real("truncated_normal", "stddev", stddev),
@@ -252,6 +290,13 @@ def variance_scaling(
         out_axis: Axes that count towards fan-out.
         batch_axis: Axes ignored by the fans.
         dtype: The dtype of a call that names none (default float32).
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> init = lm.initializers.variance_scaling(2.0, "fan_in", "normal")
+        >>> kernel = init(jax.random.key(0), (512, 256))  # variance 2 / 512
+        >>> round(float(kernel.var() * 512), 1)
+        2.0
     """
     modes = ("fan_in", "fan_out", "fan_avg", "fan_geo_avg")
     distributions = ("truncated_normal", "normal", "uniform")
@@ -278,42 +323,84 @@ def variance_scaling(
 def lecun_normal(
     in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = (), dtype: Any = None
 ) -> Initializer:
-    """Truncated normal, variance ``1 / fan_in`` (the default of `Dense` and `Conv`)."""
+    """Truncated normal, variance ``1 / fan_in`` (the default of `Dense` and `Conv`).
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> kernel = lm.initializers.lecun_normal()(jax.random.key(0), (256, 128))
+        >>> round(float(kernel.var() * 256), 1)
+        1.0
+    """
     return _scaling("lecun_normal", in_axis, out_axis, batch_axis, dtype)
 
 
 def lecun_uniform(
     in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = (), dtype: Any = None
 ) -> Initializer:
-    """Uniform, variance ``1 / fan_in``."""
+    """Uniform, variance ``1 / fan_in``.
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> kernel = lm.initializers.lecun_uniform()(jax.random.key(0), (256, 128))
+        >>> round(float(kernel.var() * 256), 1)
+        1.0
+    """
     return _scaling("lecun_uniform", in_axis, out_axis, batch_axis, dtype)
 
 
 def glorot_normal(
     in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = (), dtype: Any = None
 ) -> Initializer:
-    """Truncated normal, variance ``2 / (fan_in + fan_out)``."""
+    """Truncated normal, variance ``2 / (fan_in + fan_out)``.
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> kernel = lm.initializers.glorot_normal()(jax.random.key(0), (256, 128))
+        >>> round(float(kernel.var() * 384 / 2), 1)
+        1.0
+    """
     return _scaling("glorot_normal", in_axis, out_axis, batch_axis, dtype)
 
 
 def glorot_uniform(
     in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = (), dtype: Any = None
 ) -> Initializer:
-    """Uniform, variance ``2 / (fan_in + fan_out)``."""
+    """Uniform, variance ``2 / (fan_in + fan_out)``.
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> kernel = lm.initializers.glorot_uniform()(jax.random.key(0), (256, 128))
+        >>> round(float(kernel.var() * 384 / 2), 1)
+        1.0
+    """
     return _scaling("glorot_uniform", in_axis, out_axis, batch_axis, dtype)
 
 
 def he_normal(
     in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = (), dtype: Any = None
 ) -> Initializer:
-    """Truncated normal, variance ``2 / fan_in``."""
+    """Truncated normal, variance ``2 / fan_in``.
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> kernel = lm.initializers.he_normal()(jax.random.key(0), (256, 128))
+        >>> round(float(kernel.var() * 256 / 2), 1)
+        1.0
+    """
     return _scaling("he_normal", in_axis, out_axis, batch_axis, dtype)
 
 
 def he_uniform(
     in_axis: Axes = -2, out_axis: Axes = -1, batch_axis: Axes = (), dtype: Any = None
 ) -> Initializer:
-    """Uniform, variance ``2 / fan_in``."""
+    """Uniform, variance ``2 / fan_in``.
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> kernel = lm.initializers.he_uniform()(jax.random.key(0), (256, 128))
+        >>> round(float(kernel.var() * 256 / 2), 1)
+        1.0
+    """
     return _scaling("he_uniform", in_axis, out_axis, batch_axis, dtype)
 
 
@@ -338,6 +425,12 @@ def orthogonal(scale: float = 1.0, column_axis: int = -1, dtype: Any = None) -> 
     """A (scaled) orthogonal matrix, over all axes but `column_axis`.
 
     bfloat16 and float16 matrices are made in float32 and rounded (Linen's fails on the CPU).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> q = lm.initializers.orthogonal()(jax.random.key(0), (4, 4))
+        >>> bool(jnp.allclose(q.T @ q, jnp.eye(4), atol=1e-5))
+        True
     """
     fn = _in_float32(jax.nn.initializers.orthogonal(scale, column_axis))
     config = {"scale": scale, "column_axis": column_axis}
@@ -345,7 +438,14 @@ def orthogonal(scale: float = 1.0, column_axis: int = -1, dtype: Any = None) -> 
 
 
 def delta_orthogonal(scale: float = 1.0, column_axis: int = -1, dtype: Any = None) -> Initializer:
-    """Delta-orthogonal for convolution kernels (orthogonal at the centre, zero elsewhere)."""
+    """Delta-orthogonal for convolution kernels (orthogonal at the centre, zero elsewhere).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> kernel = lm.initializers.delta_orthogonal()(jax.random.key(0), (3, 3, 4, 4))
+        >>> float(jnp.abs(kernel[0, 0]).sum()), kernel[1, 1].shape  # zero off the centre
+        (0.0, (4, 4))
+    """
     fn = _in_float32(jax.nn.initializers.delta_orthogonal(scale, column_axis))
     config = {"scale": scale, "column_axis": column_axis}
     return Initializer._of("delta_orthogonal", fn, config, dtype, **config)

@@ -34,6 +34,12 @@ class Summary:
         rows: One `SummaryRow` per variable, in the model's walk order.
         modules: ``(path, type)`` of every module, in walk order.
         totals: ``{collection: (count, bytes)}``.
+
+    Example:
+        >>> import lamina as lm
+        >>> summary = lm.summary(lm.Dense(3, 2))
+        >>> summary.totals, [row.name for row in summary.rows]
+        ({'params': (8, 32)}, ['kernel', 'bias'])
     """
 
     def __init__(self, model: Module):

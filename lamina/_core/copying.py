@@ -22,11 +22,18 @@ def _is_jax_immutable(value: Any) -> bool:
     return callable(value) and type(value).__module__.partition(".")[0] in ("jax", "jaxlib")
 
 
+_ATOMIC = frozenset({int, float, bool, complex, str, bytes, type(None)})
+
+
 def copy_value(value: Any, memo: dict[int, Any]) -> Any:
     """Deep-copies `value`, sharing JAX arrays and functions (also inside lists and dicts)."""
+    kind = type(value)
+    if kind in _ATOMIC or isinstance(value, np.dtype):
+        # A model's settings are mostly numbers, strings and dtypes: immutable, so shared
+        # (as `copy.deepcopy` shares the built-in ones), without its dispatch on every one.
+        return value
     if _is_jax_immutable(value):
         return value
-    kind = type(value)
     if kind not in (list, tuple, dict):
         return copy.deepcopy(value, memo)
     if id(value) in memo:

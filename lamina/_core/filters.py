@@ -398,7 +398,14 @@ class Not(_Combinator):
 
 @dataclasses.dataclass(frozen=True)
 class Everything:
-    """Matches every variable (the literals ``True`` and ``...``)."""
+    """Matches every variable (the literals ``True`` and ``...``).
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> variables = lm.transform(lm.Dense(2, 3)).init(jax.random.key(0))
+        >>> sorted(lm.filter_variables(lm.Dense(2, 3), variables, lm.Everything())["params"])
+        ['bias', 'kernel']
+    """
 
     def __call__(self, path: Path, variable: State) -> bool:
         return True
@@ -406,7 +413,13 @@ class Everything:
 
 @dataclasses.dataclass(frozen=True)
 class Nothing:
-    """Matches no variable (the literals ``False`` and ``None``)."""
+    """Matches no variable (the literals ``False`` and ``None``).
+
+    Example:
+        >>> import lamina as lm
+        >>> lm.Nothing()(("kernel",), lm.Dense(2, 3).kernel)
+        False
+    """
 
     def __call__(self, path: Path, variable: State) -> bool:
         return False

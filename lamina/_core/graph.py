@@ -84,11 +84,17 @@ def walk(root: Any) -> Iterator[tuple[Path, Node]]:
             return
         open_containers.add(id(node))
         for key, child in children(node):
+            if type(child) in _SETTINGS:
+                continue  # nothing to find or refuse in it: skip a generator per setting
             yield from visit((*path, key), child)
         open_containers.discard(id(node))
 
     yield from visit((), root)
 
+
+# Types of most module attributes (sizes, flags, names): they hold no submodules or
+# variables, so the walk passes them by (`_check_hidden` would accept them too).
+_SETTINGS = frozenset({str, bytes, int, float, complex, bool, type(None)})
 
 _WHERE_LAMINA_LOOKS = (
     "lamina finds submodules and variables in a module's instance attributes (set in "
@@ -342,7 +348,9 @@ class Plan:
 
 def _axis_names(state: State, count: int) -> tuple[str | None, ...]:
     """The logical names of `state`'s `count` leading axes (set by `Stack`), None if unnamed."""
-    names = tuple(getattr(state, "_lamina_axis_names", ()))
+    # the instance dict, not getattr: a declaration's __getattr__ would build an error
+    # message for every variable that has no names (almost all)
+    names = tuple(vars(state).get("_lamina_axis_names", ()))
     padded = (None,) * count + names
     return padded[len(padded) - count :]
 

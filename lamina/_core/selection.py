@@ -391,6 +391,14 @@ def merge(*trees: Variables) -> Variables:
 
     Raises:
         VariablesError: Two trees hold the same path.
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> model = lm.Dense(2, 3)
+        >>> variables = lm.transform(model).init(jax.random.key(0))
+        >>> kernels, rest = lm.split(model, variables, lm.PathContains("kernel"), ...)
+        >>> sorted(lm.merge(kernels, rest)["params"])
+        ['bias', 'kernel']
     """
     merged: Variables = {}
     for tree in trees:

@@ -33,6 +33,13 @@ class Transformed(NamedTuple):
     Attributes:
         init: ``init(rngs) -> variables``.
         apply: ``apply(variables, rngs, *args, **kwargs) -> (outputs, new_variables)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> transformed = lm.transform(lm.Dense(2, 3))
+        >>> variables = transformed.init(jax.random.key(0))
+        >>> transformed.apply(variables, None, jnp.ones((1, 2)))[0].shape
+        (1, 3)
     """
 
     init: Callable[..., Variables]
@@ -297,6 +304,15 @@ class AssignReport(NamedTuple):
         assigned: The paths that received an array (``params/layer1/kernel``).
         missing: The model's paths that `variables` lacked (they keep their initializers).
         unexpected: The paths of `variables` that the model lacks (ignored).
+
+    Example:
+        >>> import jax.numpy as jnp, lamina as lm
+        >>> model = lm.Dense(2, 3)
+        >>> _, report = lm.assign_variables(
+        ...     model, {"params": {"kernel": jnp.ones((2, 3))}}, strict=False, return_report=True
+        ... )
+        >>> report.assigned, report.missing
+        (('params/kernel',), ('params/bias',))
     """
 
     assigned: tuple[str, ...]

@@ -371,7 +371,22 @@ class Parameter(State):
 
 
 class BatchStat(State):
-    """A running statistic (collection ``"batch_stats"``, mutable), as in `BatchNorm`."""
+    """A running statistic (collection ``"batch_stats"``, mutable), as in `BatchNorm`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> class RunningMean(lm.Module):
+        ...     def __init__(self, size):
+        ...         super().__init__()
+        ...         self.mean = lm.BatchStat((size,), lm.initializers.zeros())
+        ...     def __call__(self, x):
+        ...         self.mean.value = 0.9 * self.mean.value + 0.1 * x.mean(0)
+        ...         return x - self.mean.value[None]
+        >>> init, apply = lm.transform(RunningMean(2))
+        >>> _, new = apply(init(jax.random.key(0)), None, jnp.ones((4, 2)))
+        >>> new["batch_stats"]["mean"]
+        Array([0.1, 0.1], dtype=float32)
+    """
 
     _lamina_fixed_collection = True
 
@@ -398,7 +413,24 @@ class BatchStat(State):
 
 
 class Cache(State):
-    """A decoding cache (collection ``"cache"``, mutable), as in incremental attention."""
+    """A decoding cache (collection ``"cache"``, mutable), as in incremental attention.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> class LastInput(lm.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.last = lm.Cache((2,), lm.initializers.zeros())
+        ...     def __call__(self, x):
+        ...         previous = self.last.value
+        ...         self.last.value = x
+        ...         return previous
+        >>> init, apply = lm.transform(LastInput())
+        >>> variables = init(jax.random.key(0))
+        >>> _, variables = apply(variables, None, jnp.ones(2))
+        >>> apply(variables, None, jnp.zeros(2))[0]
+        Array([1., 1.], dtype=float32)
+    """
 
     _lamina_fixed_collection = True
 

@@ -20,7 +20,18 @@ _DTYPES: dict[int, np.dtype] = {
 
 
 class IdxFormatError(ValueError):
-    """A file that is not a well-formed IDX file."""
+    """A file that is not a well-formed IDX file.
+
+    Example:
+        >>> import pathlib, tempfile, lamina as lm
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "notes.txt"
+        >>> _ = path.write_bytes(b"not an IDX file")
+        >>> try:
+        ...     lm.data.read_idx(path)
+        ... except lm.data.IdxFormatError as error:
+        ...     print("bad magic number" in str(error))
+        True
+    """
 
 
 def read_idx(path: str | os.PathLike) -> np.ndarray:

@@ -23,6 +23,13 @@ class ImageData(NamedTuple):
         train: ``{"image": float32 (N, H, W, C) in [0, 1], "label": int32 (N,)}``.
         test: The same for the test split.
         num_classes: Number of label values.
+
+    Example:
+        >>> import numpy as np, lamina as lm
+        >>> split = {"image": np.zeros((2, 8, 8, 1), np.float32), "label": np.array([0, 1])}
+        >>> data = lm.data.ImageData("tiny", split, split, num_classes=2)
+        >>> data.train["image"].shape, data.num_classes
+        ((2, 8, 8, 1), 2)
     """
 
     name: str
@@ -47,6 +54,19 @@ def load_idx_folder(folder: str | os.PathLike, name: str | None = None) -> Image
     Raises:
         FileNotFoundError: The folder or one of the four files is missing.
         IdxFormatError: A file is malformed or truncated, or images and labels disagree.
+
+    Example:
+        >>> import pathlib, tempfile, numpy as np, lamina as lm
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> def write(name, array):  # IDX: 0 0 8 <rank>, big-endian sizes, then uint8 data
+        ...     header = bytes([0, 0, 8, array.ndim]) + np.array(array.shape, ">u4").tobytes()
+        ...     _ = (folder / name).write_bytes(header + array.astype(np.uint8).tobytes())
+        >>> for split, n in (("train", 3), ("t10k", 2)):
+        ...     write(f"{split}-images-idx3-ubyte", np.full((n, 4, 4), 255))
+        ...     write(f"{split}-labels-idx1-ubyte", np.arange(n))
+        >>> data = lm.data.load_idx_folder(folder, "tiny")
+        >>> data.train["image"].shape, data.train["image"].max(), data.test["label"].tolist()
+        ((3, 4, 4, 1), np.float32(1.0), [0, 1])
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -86,6 +106,12 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> ImageData:
 
     Returns:
         The data, images scaled to [0, 1] with a channel axis.
+
+    Example:
+        >>> import lamina as lm
+        >>> data = lm.data.load_digits()
+        >>> data.train["image"].shape, data.test["image"].shape, data.num_classes
+        ((1438, 8, 8, 1), (359, 8, 8, 1), 10)
     """
     from sklearn.datasets import load_digits as sklearn_digits
 
@@ -108,6 +134,12 @@ def load_default_images() -> ImageData:
 
     ``sudo apt-get install dataset-fashion-mnist`` (Debian, Ubuntu) installs the set in
     `FASHION_MNIST_DIR`. The result's ``name`` says which set was loaded.
+
+    Example:
+        >>> import lamina as lm
+        >>> data = lm.data.load_default_images()
+        >>> data.name in ("Fashion-MNIST", "digits (scikit-learn)"), data.num_classes
+        (True, 10)
     """
     if FASHION_MNIST_DIR.is_dir():
         return load_idx_folder(FASHION_MNIST_DIR, "Fashion-MNIST")

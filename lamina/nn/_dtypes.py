@@ -77,12 +77,23 @@ def compute_dtype(layer: Any, dtype: np.dtype | None, *values: Any) -> np.dtype:
     Raises:
         TypeError: A complex value under a real `dtype`.
     """
-    dtypes = tuple(jnp.result_type(v) for v in values if v is not None)
     if dtype is None:
-        return _promote(dtypes)
+        return _promote(tuple(jnp.result_type(v) for v in values if v is not None))
     if not _is_complex(dtype):
-        for value_dtype in dtypes:
-            if _is_complex(value_dtype):
+        for value in values:
+            if value is None:
+                continue
+            # Every layer call comes here, so arrays (and tracers) skip `jnp.result_type`
+            # (about 3 microseconds each): only whether the dtype is complex matters, and
+            # NumPy's kind "c" says that for every canonicalised or uncanonicalised dtype.
+            value_dtype = getattr(value, "dtype", None)
+            if isinstance(value_dtype, np.dtype):
+                is_complex = value_dtype.kind == "c"
+            else:
+                value_dtype = jnp.result_type(value)
+                is_complex = _is_complex(value_dtype)
+            if is_complex:
+                value_dtype = jnp.result_type(value)  # canonical, as the message always said
                 raise TypeError(
                     f"{_name(layer)} got a {value_dtype} value but computes in {dtype} "
                     f"(dtype={dtype}): the cast would drop the imaginary part. Build the "
@@ -103,6 +114,8 @@ def _promote(dtypes: tuple[np.dtype, ...]) -> np.dtype:
 
 
 def _is_complex(dtype: Any) -> bool:
+    if isinstance(dtype, np.dtype):
+        return dtype.kind == "c"  # the same answer as below, without its 1-2 microseconds
     return bool(jnp.issubdtype(dtype, jnp.complexfloating))
 
 
