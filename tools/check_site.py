@@ -194,7 +194,11 @@ class _JoiningServer(http.server.ThreadingHTTPServer):
 
 
 class Browser:
-    """A headless chromium driven over the DevTools protocol on a pipe (fds 3 and 4)."""
+    """A headless chromium driven over the DevTools protocol on a pipe (fds 3 and 4).
+
+    Putting the pipe on fds 3 and 4 takes a ``preexec_fn``, so the child is forked: run this
+    in a process without threads of its own (JAX's warn on fork), as the CLI and the test do.
+    """
 
     def __init__(self, executable: str, profile: str) -> None:
         to_browser_r, self._to_browser = os.pipe()
