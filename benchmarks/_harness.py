@@ -76,14 +76,18 @@ def interleaved(
     """Seconds per call of each function: `rounds` samples, each the mean of `number` calls.
 
     Each function must block until its result is ready (`jax.block_until_ready`). The
-    contestants take turns round by round, so drift in the machine's speed hits all alike.
+    contestants take turns round by round, so drift in the machine's speed hits all alike,
+    and the one that starts a round changes from round to round, so whatever the first (or
+    the last) of a round pays falls on each in turn.
     """
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for round_ in range(rounds):
+        shift = round_ % len(order)
+        for name, fn in order[shift:] + order[:shift]:
             start = time.perf_counter()
             for _ in range(number):
                 fn()

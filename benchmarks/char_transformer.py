@@ -1,34 +1,39 @@
-"""Milliseconds per training step of the char transformer: lamina beside Flax Linen and NNX.
+"""Milliseconds per training step of the char transformer: lamina beside Linen, NNX, Haiku, Equinox.
 
 The lamina model is `examples/char_transformer.py`'s own (`CharTransformer`, its `lm.Stack`
-of pre-norm blocks, its AdamW); Linen and NNX build the same network (same names, shapes,
-initialisation, LayerNorm epsilon, GELU, tied output layer) and train it with the same
-optimiser, each twice: with its scan over layers (Linen `nn.scan`, NNX `nnx.scan` over
-`nnx.vmap`-created blocks) and with a plain loop over a list of blocks. lamina runs the
-example's model and, for comparison, the same blocks as a Python list. Every contestant
-starts from lamina's initial weights (the layouts are Linen's), so all compute the same loss
-on the same batch: the script checks that before timing.
+of pre-norm blocks, its AdamW); Flax Linen, Flax NNX, Haiku and Equinox build the same
+network (same layers and shapes, LayerNorm epsilon, GELU, tied output layer) and train it
+with the same optimiser (weight decay on the same matrices), each twice: with its scan over
+layers (Linen `nn.scan`, NNX `nnx.scan` over `nnx.vmap`-created blocks, Haiku
+`hk.layer_stack`, Equinox `jax.lax.scan` over `eqx.filter_vmap`-created blocks) and with a
+plain loop over a list of blocks. lamina runs the example's model and, for comparison, the
+same blocks as a Python list. Every contestant starts from lamina's initial weights (lamina's
+layouts are Linen's; Haiku's and Equinox's attention projections merge the heads, and
+Equinox's matrices are transposed), so all compute the same loss on the same batch: the
+script checks that before timing.
 
 Each step is `jax.jit`-compiled (``donate_argnums`` for the parameters and optimiser state,
-as the example does), warmed up, then timed one step at a time in interleaved rounds, so
-drift in the machine's speed hits every contestant alike; the figure is the median step,
-on the clock and in CPU time (all threads; steadier when other processes share the CPUs).
-Defaults are nanoGPT's CPU settings (4 layers, 4 heads, width 128, context 64, batch 12):
+as the example does; Equinox's model is split once into its arrays, `eqx.partition`, so that
+its step is jitted and donated the same way), warmed up, then timed one step at a time in
+interleaved rounds, so drift in the machine's speed hits every contestant alike; the figure
+is the median step, on the clock and in CPU time (all threads; steadier when other
+processes share the CPUs). Defaults are nanoGPT's CPU settings (4 layers, 4 heads, width
+128, context 64, batch 12):
 
-    python benchmarks/char_transformer.py              # 2 to 4 minutes on 2 busy cores
-    python benchmarks/char_transformer.py --quick      # fewer steps, about 2 minutes
+    python benchmarks/char_transformer.py              # about a minute on 2 quiet cores
+    python benchmarks/char_transformer.py --quick      # fewer steps, about 40 seconds
     python benchmarks/char_transformer.py --scans --hlo   # where a scan's time goes
     python benchmarks/char_transformer.py --layers 8 --width 256
 
 The batch comes from ``--data`` (default: ../shared/data/tinyshakespeare.txt when it is
 there, else the example's default text, Python's own source). The ratios printed are each
-contestant's median over the best peer's (the fastest Linen or NNX row). The example's
-Stack is unrolled in full (straight-line code, the fastest on a CPU for 4 blocks), so its
-peers are Linen's `nn.scan` unrolled in full and the lists. ``--scans`` adds lamina's Stack
-and Linen's and NNX's scans run as loops, which tells the cost of the loop (a scan against
-straight-line code) from the library's; ``--hlo`` prints
-each step's lowered program size. Other processes on the machine add noise: the load
-average is printed with the figures.
+contestant's median over the best peer's (the fastest Linen, NNX, Haiku or Equinox row).
+The example's Stack is unrolled in full (straight-line code, the fastest on a CPU for 4
+blocks), so its peers are Linen's `nn.scan` and Haiku's `hk.layer_stack` unrolled in full
+and the lists. ``--scans`` adds lamina's Stack and Linen's, NNX's, Haiku's and Equinox's
+scans run as loops, which tells the cost of the loop (a scan against straight-line code)
+from the library's; ``--hlo`` prints each step's lowered program size. Other processes on
+the machine add noise: the load average is printed with the figures.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import argparse
 import copy
 import importlib.util
 import math
+import operator
 import os
 import pathlib
 import statistics
@@ -325,6 +331,301 @@ def nnx_contestant(config, vocab_size, weights, *, scan):
     return state, loss, peer_optimizer(config, state)
 
 
+# --- Haiku --------------------------------------------------------------------------------
+
+
+def merge_heads(x):
+    """(..., heads, head size) -> (..., heads * head size): Linen's attention to one matrix."""
+    return x.reshape(*x.shape[:-2], -1)
+
+
+def merge_out_heads(kernel):
+    """Linen's output kernel (..., heads, head size, width) -> (..., heads * head size, width)."""
+    return kernel.reshape(*kernel.shape[:-3], -1, kernel.shape[-1])
+
+
+def haiku_model(config, vocab_size, *, scan, unroll=1):
+    """The network as a `hk.transform`: its blocks in a `hk.layer_stack` (`scan`) or a list."""
+    import haiku as hk
+
+    width, heads, layers = config.width, config.heads, config.layers
+    weights = hk.initializers.RandomNormal(0.02)
+    residual = hk.initializers.RandomNormal(0.02 / math.sqrt(2 * layers))
+
+    def layer_norm(name):
+        return hk.LayerNorm(-1, create_scale=True, create_offset=True, eps=1e-5, name=name)
+
+    class Block(hk.Module):
+        def __call__(self, x, mask):
+            h = layer_norm("attention_norm")(x)
+            # Haiku's attention takes one initialiser for its four projections
+            attention = hk.MultiHeadAttention(
+                heads, width // heads, w_init=weights, model_size=width, name="attention"
+            )
+            x = x + attention(h, h, h, mask=mask)
+            h = layer_norm("mlp_norm")(x)
+            h = hk.Linear(4 * width, w_init=weights, name="mlp_in")(h)
+            return x + hk.Linear(width, w_init=residual, name="mlp_out")(jax.nn.gelu(h))
+
+    def forward(ids):
+        token = hk.Embed(vocab_size, width, w_init=weights, name="token")
+        position = hk.Embed(config.block_size, width, w_init=weights, name="position")
+        x = token(ids) + position(jnp.arange(ids.shape[-1]))
+        length = ids.shape[-1]
+        mask = jnp.tril(jnp.ones((length, length), bool))[None, None]  # batch, heads
+        if scan:
+            stack = hk.layer_stack(layers, unroll=unroll, name="blocks")
+            x = stack(lambda x: Block(name="block")(x, mask))(x)
+        else:
+            for i in range(layers):
+                x = Block(name=f"blocks_{i}")(x, mask)
+        x = layer_norm("norm")(x)
+        if config.tie:
+            return x @ token.embeddings.T
+        return hk.Linear(vocab_size, w_init=weights, name="head")(x)
+
+    return hk.without_apply_rng(hk.transform(forward))
+
+
+def haiku_params(weights, *, scan) -> dict:
+    """The weights (Linen's layout) in Haiku's: one flat dict of module paths."""
+
+    def linear(p):
+        return {"w": p["kernel"], "b": p["bias"]}
+
+    def norm(p):
+        return {"scale": p["scale"], "offset": p["bias"]}
+
+    def block(w, prefix):  # one block, or the stacked blocks of a layer_stack
+        attention = w["attention"]
+        params = {
+            f"{prefix}/attention/{name}": {
+                "w": merge_heads(attention[name]["kernel"]),
+                "b": merge_heads(attention[name]["bias"]),
+            }
+            for name in ("query", "key", "value")
+        }
+        params[f"{prefix}/attention/linear"] = {
+            "w": merge_out_heads(attention["out"]["kernel"]),
+            "b": attention["out"]["bias"],
+        }
+        params[f"{prefix}/attention_norm"] = norm(w["attention_norm"])
+        params[f"{prefix}/mlp_norm"] = norm(w["mlp_norm"])
+        params[f"{prefix}/mlp_in"] = linear(w["mlp_in"])
+        params[f"{prefix}/mlp_out"] = linear(w["mlp_out"])
+        return params
+
+    params = {
+        "token": {"embeddings": weights["token"]["embedding"]},
+        "position": {"embeddings": weights["position"]["embedding"]},
+        "norm": norm(weights["norm"]),
+    }
+    if "head" in weights:
+        params["head"] = linear(weights["head"])
+    if scan:
+        params.update(block(weights["blocks"], "blocks/block"))
+    else:
+        for i, w in enumerate(unstack(weights["blocks"])):
+            params.update(block(w, f"blocks_{i}"))
+    return params
+
+
+def haiku_contestant(config, vocab_size, weights, *, scan, unroll=1):
+    model = haiku_model(config, vocab_size, scan=scan, unroll=unroll)
+    params = haiku_params(weights, scan=scan)
+    expected = jax.eval_shape(
+        model.init, jax.random.key(0), jnp.zeros((1, config.block_size), jnp.int32)
+    )
+    check_shapes("Haiku", params, expected)
+
+    def loss(params, inputs, targets, key):
+        del key  # no dropout
+        return example.cross_entropy(model.apply(params, inputs), targets)
+
+    # Haiku's matrices are the Linear layers' "w" and the Embed layers' "embeddings"
+    mask = {name: {k: k in ("w", "embeddings") for k in p} for name, p in params.items()}
+    return params, loss, peer_optimizer(config, params, mask)
+
+
+# --- Equinox ------------------------------------------------------------------------------
+
+
+def equinox_model(config, vocab_size, *, scan):
+    """The network as an `eqx.Module` for one sequence (vmap it over the batch).
+
+    With `scan`, the blocks are one block whose arrays have a leading layer axis, made by
+    `eqx.filter_vmap` over keys, and run by `jax.lax.scan`; else they are a list. The
+    initialisers are Equinox's own: `equinox_contestant` puts lamina's weights in.
+    """
+    import equinox as eqx
+
+    width, heads, layers = config.width, config.heads, config.layers
+
+    class Block(eqx.Module):
+        attention_norm: eqx.nn.LayerNorm
+        attention: eqx.nn.MultiheadAttention
+        mlp_norm: eqx.nn.LayerNorm
+        mlp_in: eqx.nn.Linear
+        mlp_out: eqx.nn.Linear
+
+        def __init__(self, key):
+            attention_key, in_key, out_key = jax.random.split(key, 3)
+            self.attention_norm = eqx.nn.LayerNorm(width, eps=1e-5)
+            self.attention = eqx.nn.MultiheadAttention(
+                heads,
+                width,
+                use_query_bias=True,
+                use_key_bias=True,
+                use_value_bias=True,
+                use_output_bias=True,
+                key=attention_key,
+            )
+            self.mlp_norm = eqx.nn.LayerNorm(width, eps=1e-5)
+            self.mlp_in = eqx.nn.Linear(width, 4 * width, key=in_key)
+            self.mlp_out = eqx.nn.Linear(4 * width, width, key=out_key)
+
+        def __call__(self, x, mask):  # x: (sequence, width)
+            h = jax.vmap(self.attention_norm)(x)
+            x = x + self.attention(h, h, h, mask=mask)
+            h = jax.nn.gelu(jax.vmap(self.mlp_in)(jax.vmap(self.mlp_norm)(x)))
+            return x + jax.vmap(self.mlp_out)(h)
+
+    class CharTransformer(eqx.Module):
+        token: eqx.nn.Embedding
+        position: eqx.nn.Embedding
+        blocks: Block | list[Block]
+        norm: eqx.nn.LayerNorm
+        head: eqx.nn.Linear | None
+
+        def __init__(self, key):
+            token_key, position_key, blocks_key, head_key = jax.random.split(key, 4)
+            self.token = eqx.nn.Embedding(vocab_size, width, key=token_key)
+            self.position = eqx.nn.Embedding(config.block_size, width, key=position_key)
+            block_keys = jax.random.split(blocks_key, layers)
+            if scan:
+                self.blocks = eqx.filter_vmap(Block)(block_keys)
+            else:
+                self.blocks = [Block(k) for k in block_keys]
+            self.norm = eqx.nn.LayerNorm(width, eps=1e-5)
+            self.head = None if config.tie else eqx.nn.Linear(width, vocab_size, key=head_key)
+
+        def __call__(self, ids):  # ids: (sequence,)
+            length = ids.shape[-1]
+            x = jax.vmap(self.token)(ids) + jax.vmap(self.position)(jnp.arange(length))
+            mask = jnp.tril(jnp.ones((length, length), bool))
+            if scan:
+                arrays, static = eqx.partition(self.blocks, eqx.is_array)
+
+                def forward(x, arrays):
+                    return eqx.combine(arrays, static)(x, mask), None
+
+                x, _ = jax.lax.scan(forward, x, arrays)
+            else:
+                for block in self.blocks:
+                    x = block(x, mask)
+            x = jax.vmap(self.norm)(x)
+            return x @ self.token.weight.T if self.head is None else jax.vmap(self.head)(x)
+
+    return CharTransformer(jax.random.key(0))
+
+
+def equinox_block(block, w):
+    """An Equinox block (or the stacked blocks) holding `w`, a block's weights in Linen's layout.
+
+    Equinox's attention projects to heads * head size at once, and its `Linear` weights are
+    (out, in): Linen's kernels are merged over the heads and transposed.
+    """
+    import equinox as eqx
+
+    def linear(kernel, bias):
+        return jnp.swapaxes(kernel, -1, -2), bias
+
+    def heads(p):
+        return linear(merge_heads(p["kernel"]), merge_heads(p["bias"]))
+
+    def norm(p):
+        return p["scale"], p["bias"]
+
+    attention = w["attention"]
+    layers = {  # where in the block -> (weight, bias)
+        "attention_norm": norm(w["attention_norm"]),
+        "attention.query_proj": heads(attention["query"]),
+        "attention.key_proj": heads(attention["key"]),
+        "attention.value_proj": heads(attention["value"]),
+        "attention.output_proj": linear(
+            merge_out_heads(attention["out"]["kernel"]), attention["out"]["bias"]
+        ),
+        "mlp_norm": norm(w["mlp_norm"]),
+        "mlp_in": linear(w["mlp_in"]["kernel"], w["mlp_in"]["bias"]),
+        "mlp_out": linear(w["mlp_out"]["kernel"], w["mlp_out"]["bias"]),
+    }
+
+    def where(module):
+        found = [operator.attrgetter(path)(module) for path in layers]
+        return [x for layer in found for x in (layer.weight, layer.bias)]
+
+    return eqx.tree_at(where, block, [x for pair in layers.values() for x in pair])
+
+
+def equinox_decay_mask(params):
+    """True on the `Linear` and `Embedding` weights (a LayerNorm's `weight` is its scale)."""
+    import equinox as eqx
+
+    def is_matrix_layer(node):
+        return isinstance(node, eqx.nn.Linear | eqx.nn.Embedding)
+
+    def mask(node):
+        flags = jax.tree.map(lambda _: False, node)
+        return eqx.tree_at(lambda m: m.weight, flags, True) if is_matrix_layer(node) else flags
+
+    return jax.tree.map(mask, params, is_leaf=is_matrix_layer)
+
+
+def equinox_contestant(config, vocab_size, weights, *, scan):
+    """(arrays, loss, optimizer): the model split once into its arrays and the rest.
+
+    The step is `jax.jit` over the arrays (`eqx.partition`), recombined inside the loss
+    (`eqx.combine`), not `eqx.filter_jit`: so the arrays are donated and the compiled step
+    called exactly as every other contestant's, and the figure is the XLA program's and the
+    library's trace, not `filter_jit`'s per-call partition of the model in Python.
+    """
+    import equinox as eqx
+
+    model = equinox_model(config, vocab_size, scan=scan)
+    if scan:
+        blocks = equinox_block(model.blocks, weights["blocks"])
+    else:
+        blocks = [
+            equinox_block(b, w)
+            for b, w in zip(model.blocks, unstack(weights["blocks"]), strict=True)
+        ]
+    loaded = eqx.tree_at(
+        lambda m: (m.token.weight, m.position.weight, m.norm.weight, m.norm.bias, m.blocks),
+        model,
+        (
+            weights["token"]["embedding"],
+            weights["position"]["embedding"],
+            weights["norm"]["scale"],
+            weights["norm"]["bias"],
+            blocks,
+        ),
+    )
+    if model.head is not None:
+        head = weights["head"]
+        loaded = eqx.tree_at(
+            lambda m: (m.head.weight, m.head.bias), loaded, (head["kernel"].T, head["bias"])
+        )
+    params, static = eqx.partition(loaded, eqx.is_array)
+    check_shapes("Equinox", params, eqx.filter(model, eqx.is_array))
+
+    def loss(params, inputs, targets, key):
+        del key  # no dropout
+        logits = jax.vmap(eqx.combine(params, static))(inputs)
+        return example.cross_entropy(logits, targets)
+
+    return params, loss, peer_optimizer(config, params, equinox_decay_mask(params))
+
+
 # --- shared -------------------------------------------------------------------------------
 
 
@@ -349,8 +650,15 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
-def peer_optimizer(config, params):
-    """The example's optimiser (`make_optimizer`), with the mask made from the paths."""
+def peer_optimizer(config, params, mask=None):
+    """The example's optimiser (`make_optimizer`); the decay mask defaults to `decay_mask`.
+
+    Args:
+        config: the example's settings (learning rate, warm-up, steps).
+        params: the peer's parameters.
+        mask: True on the parameters that decay; default: `decay_mask(params)`, by the
+            paths' Linen and NNX names (Haiku's and Equinox's names differ).
+    """
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=config.lr,
@@ -360,7 +668,13 @@ def peer_optimizer(config, params):
     )
     return optax.chain(
         optax.clip_by_global_norm(1.0),
-        optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=0.1, mask=decay_mask(params)),
+        optax.adamw(
+            schedule,
+            b1=0.9,
+            b2=0.99,
+            weight_decay=0.1,
+            mask=decay_mask(params) if mask is None else mask,
+        ),
     )
 
 
@@ -386,12 +700,19 @@ CONTESTANTS = {
     ),
     "Linen list": lambda c, v, w: linen_contestant(c, v, w, scan=False),
     "NNX list": lambda c, v, w: nnx_contestant(c, v, w, scan=False),
+    "Haiku layer_stack, unroll=n": lambda c, v, w: haiku_contestant(
+        c, v, w, scan=True, unroll=c.layers
+    ),
+    "Haiku list": lambda c, v, w: haiku_contestant(c, v, w, scan=False),
+    "Equinox list": lambda c, v, w: equinox_contestant(c, v, w, scan=False),
 }
 # --scans: the scans as loops (one block per step), to tell the cost of a loop from the library's
 UNROLLED = {
     "lamina Stack, unroll=1": lambda c, v, w: lamina_contestant(c, v, w, blocks="loop"),
     "Linen nn.scan": lambda c, v, w: linen_contestant(c, v, w, scan=True),
     "NNX nnx.scan": lambda c, v, w: nnx_contestant(c, v, w, scan=True),
+    "Haiku layer_stack": lambda c, v, w: haiku_contestant(c, v, w, scan=True),
+    "Equinox lax.scan": lambda c, v, w: equinox_contestant(c, v, w, scan=True),
 }
 LAMINA = ("lamina (example, Stack)", "lamina list", "lamina Stack, unroll=1")
 
@@ -449,11 +770,15 @@ COLUMN_CONTESTANTS = {
     "lamina": "lamina (example, Stack)",
     "linen": "Linen list",
     "nnx": "NNX list",
+    "haiku": "Haiku list",
+    "equinox": "Equinox list",
 }
 COLUMN_NOTES = {
     "jax": "no hand-written JAX version (about 150 lines); ratios to Linen",
-    "haiku": "not written yet: the model would be ported to Haiku's modules",
-    "equinox": "not written yet: the model would be ported to Equinox's modules",
+    "haiku": "hk.MultiHeadAttention and hk.LayerNorm: the same function, not the same XLA "
+    "program (--hlo counts its ops)",
+    "equinox": "eqx.nn.MultiheadAttention and LayerNorm, vmapped over the batch: the same "
+    "function, not the same XLA program (--hlo counts its ops)",
 }
 SIZES = {  # mode -> (layers, heads, width, block size, batch size, rounds, steps per round)
     "smoke": (1, 2, 16, 8, 2, 2, 1),
@@ -463,7 +788,7 @@ SIZES = {  # mode -> (layers, heads, width, block size, batch size, rounds, step
 
 
 def collect(mode: str = "quick") -> list:
-    """run.py's row: ms per training step (lamina's example beside Linen's and NNX's lists)."""
+    """run.py's row: ms per training step (lamina's example beside each peer's list)."""
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     from _harness import check_same, interleaved, row_from_samples
 
@@ -541,8 +866,9 @@ def main():
     parser.add_argument(
         "--scans",
         action="store_true",
-        help="also time lamina's Stack, Linen's nn.scan and NNX's nnx.scan as loops (one "
-        "block per step), to separate the cost of the loop from the library's",
+        help="also time lamina's Stack, Linen's nn.scan, NNX's nnx.scan, Haiku's "
+        "hk.layer_stack and Equinox's lax.scan as loops (one block per step), to separate "
+        "the cost of the loop from the library's",
     )
     parser.add_argument(
         "--hlo",
@@ -591,7 +917,7 @@ def main():
     print("\nloss on the same batch, same initial weights (before any step):")
     reference = losses[names[0]]
     for name in names:
-        print(f"  {name:26s} {losses[name]:.6f}")
+        print(f"  {name:28s} {losses[name]:.6f}")
         if not math.isfinite(losses[name]):
             raise SystemExit(f"{name}: the loss is not finite")
     spread = max(abs(v - reference) for v in losses.values())
@@ -621,14 +947,14 @@ def main():
         f"\nmilliseconds per training step, median of {count} ({args.rounds} interleaved "
         f"rounds); cpu ms: CPU time of all threads, less sensitive to other processes"
     )
-    header = f"{'':26s} {'ms/step':>8s} {'p10':>7s} {'p90':>7s} {'cpu ms':>7s} {'compile s':>10s}"
+    header = f"{'':28s} {'ms/step':>8s} {'p10':>7s} {'p90':>7s} {'cpu ms':>7s} {'compile s':>10s}"
     header += f" {'x best':>7s} {'x best cpu':>10s}" if best else ""
     header += f" {'HLO chars':>10s} {'ops':>6s}" if args.hlo else ""
     print(header)
     print("-" * len(header))
     for name in names:
         p10, p90 = np.percentile(1000 * np.array(wall[name]), [10, 90])
-        row = f"{name:26s} {median[name]:8.2f} {p10:7.2f} {p90:7.2f} {median_cpu[name]:7.2f}"
+        row = f"{name:28s} {median[name]:8.2f} {p10:7.2f} {p90:7.2f} {median_cpu[name]:7.2f}"
         row += f" {compile_s[name]:10.2f}"
         if best:
             row += f" {median[name] / median[best]:7.3f}"

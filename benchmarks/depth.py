@@ -1,4 +1,4 @@
-"""Compile time against depth: lamina's `Stack` beside a Python list and Flax's scans.
+"""Compile time against depth: lamina's `Stack` beside a Python list and its peers' scans.
 
 Each contestant is a residual MLP of `depth` identical blocks (``x + relu(Dense(x)) / depth``,
 width 64, batch 16), trained by the same step: mean-square loss, `jax.value_and_grad` and
@@ -9,7 +9,13 @@ an `optax.adam` update. For every depth the step is lowered and compiled once,
 - Flax Linen `nn.scan` (``variable_axes={"params": 0}``, ``split_rngs={"params": True}``,
   ``length=n``) and a plain Linen loop of `nn.Dense` blocks;
 - Flax NNX `nnx.scan` over layers created with `nnx.vmap` (flax's "scan over layers"
-  pattern), and a plain NNX list; both run as ``nnx.merge`` inside `jax.jit`, as the others.
+  pattern), and a plain NNX list; both run as ``nnx.merge`` inside `jax.jit`, as the others;
+- Haiku `hk.layer_stack(n)` over a block of `hk.Linear`, and a plain Haiku loop;
+- Equinox `jax.lax.scan` over a block created with `eqx.filter_vmap` (its arrays stacked
+  along a leading layer axis), and a plain list of `eqx.Module` blocks; the model is
+  written for one example and `jax.vmap`-ed over the batch (Equinox's idiom), split once
+  into its arrays (`eqx.partition`) that `jax.jit` takes as the others' parameters, and
+  recombined in the loss (`eqx.combine`).
 
 A scanned stack compiles one block whatever the depth; a list is unrolled, and its trace
 and compile time grow with the depth. Run:
@@ -234,6 +240,132 @@ def nnx_list(depth, width):
     return nnx_loss(Unrolled(nnx.Rngs(0)))
 
 
+# --- Haiku ----------------------------------------------------------------------------
+
+
+def haiku_block(scale):
+    import haiku as hk
+
+    def block(x):
+        return x + scale * jax.nn.relu(hk.Linear(x.shape[-1], name="dense")(x))
+
+    return block
+
+
+def haiku_loss(forward, width):
+    import haiku as hk
+
+    model = hk.without_apply_rng(hk.transform(forward))
+    params = model.init(jax.random.key(0), jnp.ones((1, width)))
+
+    def loss(params, x):
+        return jnp.mean(model.apply(params, x) ** 2)
+
+    return params, loss
+
+
+def haiku_scan(depth, width):
+    import haiku as hk
+
+    block = haiku_block(residual_scale(depth))
+
+    def forward(x):
+        return hk.layer_stack(depth, name="blocks")(block)(x)
+
+    return haiku_loss(forward, width)
+
+
+def haiku_list(depth, width):
+    import haiku as hk
+
+    block = haiku_block(residual_scale(depth))
+
+    def forward(x):
+        for i in range(depth):
+            with hk.name_scope(f"blocks_{i}"):
+                x = block(x)
+        return x
+
+    return haiku_loss(forward, width)
+
+
+# --- Equinox --------------------------------------------------------------------------
+
+
+def equinox_block(scale):
+    import equinox as eqx
+
+    class EquinoxBlock(eqx.Module):
+        dense: eqx.nn.Linear
+
+        def __init__(self, width, key):
+            self.dense = eqx.nn.Linear(width, width, key=key)
+
+        def __call__(self, x):  # x: (width,), one example
+            return x + scale * jax.nn.relu(self.dense(x))
+
+    return EquinoxBlock
+
+
+def equinox_loss(model):
+    """(arrays, loss): `jax.jit` takes the model's arrays, as it takes the others' params.
+
+    `eqx.partition` splits the model once and the loss recombines it (`eqx.combine`), so
+    the step is lowered and compiled by `measure`'s own ``jax.jit(step).lower(...)``, as
+    every other contestant's; `eqx.filter_jit` would partition its arguments itself.
+    """
+    import equinox as eqx
+
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def loss(params, x):
+        return jnp.mean(jax.vmap(eqx.combine(params, static))(x) ** 2)
+
+    return params, loss
+
+
+def equinox_scan(depth, width):
+    import equinox as eqx
+
+    block = equinox_block(residual_scale(depth))
+
+    class Scanned(eqx.Module):
+        blocks: eqx.Module  # one block, its arrays stacked along a leading layer axis
+
+        def __init__(self, key):
+            keys = jax.random.split(key, depth)
+            self.blocks = eqx.filter_vmap(lambda key: block(width, key))(keys)
+
+        def __call__(self, x):
+            arrays, static = eqx.partition(self.blocks, eqx.is_array)
+
+            def forward(x, arrays):
+                return eqx.combine(arrays, static)(x), None
+
+            return jax.lax.scan(forward, x, arrays)[0]
+
+    return equinox_loss(Scanned(jax.random.key(0)))
+
+
+def equinox_list(depth, width):
+    import equinox as eqx
+
+    block = equinox_block(residual_scale(depth))
+
+    class Unrolled(eqx.Module):
+        blocks: list
+
+        def __init__(self, key):
+            self.blocks = [block(width, k) for k in jax.random.split(key, depth)]
+
+        def __call__(self, x):
+            for block_ in self.blocks:
+                x = block_(x)
+            return x
+
+    return equinox_loss(Unrolled(jax.random.key(0)))
+
+
 # --- raw JAX -----------------------------------------------------------------------------
 
 
@@ -275,14 +407,22 @@ CONTESTANTS: dict[str, Builder] = {
     "Linen list": linen_list,
     "NNX nnx.scan": nnx_scan,
     "NNX list": nnx_list,
+    "Haiku layer_stack": haiku_scan,
+    "Haiku list": haiku_list,
+    "Equinox lax.scan": equinox_scan,
+    "Equinox list": equinox_list,
 }
 NEEDS_STACK = {"lamina Stack"}
 # lamina beside its counterparts: (label, numerator, denominator) of the printed ratios
 RATIOS = [
     ("Stack/Linen scan", "lamina Stack", "Linen nn.scan"),
     ("Stack/NNX scan", "lamina Stack", "NNX nnx.scan"),
+    ("Stack/Haiku stack", "lamina Stack", "Haiku layer_stack"),
+    ("Stack/Eqx scan", "lamina Stack", "Equinox lax.scan"),
     ("list/Linen list", "lamina list", "Linen list"),
     ("list/NNX list", "lamina list", "NNX list"),
+    ("list/Haiku list", "lamina list", "Haiku list"),
+    ("list/Eqx list", "lamina list", "Equinox list"),
     ("list/Stack", "lamina list", "lamina Stack"),
 ]
 
@@ -340,16 +480,16 @@ def load() -> str:
 
 
 def print_table(title: str, depths, results, key: str, scale: float = 1.0, unit: str = "s"):
-    names = list(results)
+    widths = {name: max(14, len(name)) for name in results}
     print(f"\n{title}")
-    header = f"{'depth':>6s} " + " ".join(f"{name:>14s}" for name in names)
+    header = f"{'depth':>6s} " + " ".join(f"{name:>{w}s}" for name, w in widths.items())
     print(header)
     print("-" * len(header))
     for depth in depths:
         cells = []
-        for name in names:
+        for name, w in widths.items():
             row = results[name].get(depth)
-            cells.append(f"{row[key] * scale:14.3f}" if row else f"{'-':>14s}")
+            cells.append(f"{row[key] * scale:{w}.3f}" if row else f"{'-':>{w}s}")
         print(f"{depth:6d} " + " ".join(cells) + f"  {unit}")
 
 
@@ -378,10 +518,8 @@ COLUMN_CONTESTANTS = {
     "lamina": (lamina_list, lamina_stack),
     "linen": (linen_list, linen_scan),
     "nnx": (nnx_list, nnx_scan),
-}
-COLUMN_NOTES = {
-    "haiku": "not written yet (hk.layer_stack would be the scan)",
-    "equinox": "not written yet (eqx.filter_vmap + jax.lax.scan would be the scan)",
+    "haiku": (haiku_list, haiku_scan),
+    "equinox": (equinox_list, equinox_scan),
 }
 DEPTHS = {"smoke": (2,), "quick": (8, 32), "full": (8, 16, 32, 64)}
 
@@ -419,7 +557,6 @@ def collect(mode: str = "quick") -> list:
                     "s",
                     values,
                     spread,
-                    notes=dict(COLUMN_NOTES),
                     extra={
                         "depth": depth,
                         "kind": kind,

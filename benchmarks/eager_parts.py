@@ -7,6 +7,10 @@ complex-to-real cast) and checks the input size before it dispatches its jitted 
 figures behind docs/performance.md's explanation of the eager row:
 
     python benchmarks/eager_parts.py
+
+The second table takes the parts away one at a time from a whole call (each `Dense` call
+stripped down in this process only), which tells what each costs in place, and ends with the
+same kernels called by hand, the target's denominator.
 """
 
 from __future__ import annotations
@@ -66,6 +70,35 @@ def main() -> None:
     print("the kernels themselves (dispatch, not waited for)")
     timed("dense(x, kernel, bias, float32)", lambda: dense(x, kernel, bias, layer.dtype), 5000)
     timed("lm.relu(x)", lambda: lm.relu(x), 5000)
+    ablations(overhead.Mlp(), variables, weights, x)  # its own copy of the model
+
+
+def ablations(model, variables, weights, x) -> None:
+    """A whole eager call, with lamina's parts taken away one at a time."""
+    _, apply = lm.transform(model)
+    forward = model.__call__  # the forward pass alone, without apply around it
+    kernels = overhead.raw_jax_lamina_kernels(weights)[0]
+    float32, first = jax.numpy.float32, weights[0]
+    print("a whole call, parts taken away one at a time (us per call)")
+    timed("apply, as shipped", lambda: apply(variables, None, x), 5000)
+    shipped = lm.Dense.__call__
+    try:
+
+        def reads_only(self, x):  # no input-size check, no compute-dtype check
+            return dense(x, self.kernel.value, self.bias.value, self.dtype, self.precision)
+
+        lm.Dense.__call__ = reads_only
+        timed("  without the two checks", lambda: apply(variables, None, x), 5000)
+
+        def nothing(self, x):  # the same kernel on fixed arrays: no variable or setting read
+            return dense(x, first[0], first[1], float32)
+
+        lm.Dense.__call__ = nothing
+        timed("  and without the reads", lambda: apply(variables, None, x), 5000)
+        timed("  and without apply's frame", lambda: forward(x), 5000)
+    finally:
+        lm.Dense.__call__ = shipped
+    timed("the same kernels by hand", lambda: kernels(variables, x), 5000)
 
 
 if __name__ == "__main__":

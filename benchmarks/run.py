@@ -8,7 +8,7 @@ figure, the spread, the machine: CPU, load, jax and library versions, date) and 
 
 - overhead.py: per-call time of eager and jitted apply and of a jitted SGD step (small MLP);
 - train_steps.py: training-step time of an MLP and of the seed's CNN;
-- char_transformer.py: the char transformer's training step (lamina, Linen, NNX);
+- char_transformer.py: the char transformer's training step in lamina and the four peers;
 - depth.py: trace + compile time of a Python list of blocks and of a scan, per depth;
 - scale.py: transform + first init, second init, peak memory of 1,000 and 10,000 layers;
 - mnist_vs_linen.py: examples/mnist.py's seconds per epoch, lamina against Linen.
