@@ -130,3 +130,126 @@ def test_assigning_a_non_array_is_an_error(bad):
         return
     with pytest.raises((TypeError, lm.VariablesError), match=r"params/layer1/kernel"):
         lm.assign_variables(Mlp(6, 5, 3), variables)
+
+
+class Counter(lm.Module):
+    def __init__(self):
+        super().__init__()
+        self.steps = lm.State("counters", (), lm.initializers.zeros(), jnp.int32, mutable=True)
+
+    def __call__(self, x):
+        return x
+
+
+@pytest.mark.parametrize(
+    ("model", "variables", "error", "match"),
+    [
+        (
+            lm.Dense(2, 1, use_bias=False),
+            {"params": {"kernel": jnp.full((2, 1), 1 + 5j, jnp.complex64)}},
+            TypeError,
+            r"complex64 value to Parameter at params/kernel, stored as float32: the cast would "
+            r"drop the imaginary part. Convert it explicitly \(jnp.real\(x\)",
+        ),
+        (
+            Counter(),
+            {"counters": {"steps": np.float32(2.7)}},
+            TypeError,
+            r"float32 value to State at counters/steps, stored as int32: the cast would drop "
+            r"the fraction",
+        ),
+        (
+            Counter(),
+            {"counters": {"steps": np.array(2**40 + 5)}},
+            ValueError,
+            r"State at counters/steps, stored as int32: its values \(1099511627781 to "
+            r"1099511627781\) do not fit in int32 .* a cast would wrap them",
+        ),
+    ],
+)
+def test_assign_refuses_a_cast_that_loses_information(model, variables, error, match):
+    with pytest.raises(error, match=match):
+        lm.assign_variables(model, variables)
+
+
+def test_assign_casts_within_a_kind(getkey):
+    variables = lm.transform(lm.assign_variables(Counter(), {"counters": {"steps": 3}})).init(
+        getkey()
+    )
+    assert variables["counters"]["steps"].dtype == jnp.int32
+    assert int(variables["counters"]["steps"]) == 3
+    bf16 = lm.Dense(2, 2, param_dtype=jnp.bfloat16)
+    kernel = np.full((2, 2), 1.5, np.float32)  # float32 into bfloat16: the same kind
+    assigned = lm.assign_variables(bf16, {"params": {"kernel": kernel}}, strict=False)
+    assert lm.transform(assigned).init(getkey())["params"]["kernel"].dtype == jnp.bfloat16
+
+
+def test_value_assignment_before_transform_refuses_lossy_casts():
+    dense = lm.Dense(2, 1, use_bias=False)
+    with pytest.raises(TypeError, match="complex64 value to Parameter, stored as float32"):
+        dense.kernel.value = jnp.ones((2, 1), jnp.complex64)
+
+
+def test_assign_copies_a_numpy_array(getkey):
+    array = np.ones((2, 2), np.float32)
+    model = lm.assign_variables(lm.Dense(2, 2), {"params": {"kernel": array}}, strict=False)
+    array[:] = 7  # the caller reuses its buffer before transforming
+    kernel = lm.transform(model).init(getkey())["params"]["kernel"]
+    np.testing.assert_array_equal(kernel, np.ones((2, 2)))
+
+
+class StackedModel(lm.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = lm.Dense(3, 2)
+        self.blocks = lm.Stack(lm.Dense(2, 2), 4)
+
+    def __call__(self, x):
+        return self.blocks(self.inp(x))
+
+
+def test_assign_to_a_stack_keeps_every_copy(getkey):
+    init, apply = lm.transform(StackedModel())
+    variables = init(getkey())
+    whole = lm.assign_variables(StackedModel(), variables)
+    again = lm.transform(whole).init(getkey())
+    for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(a, b)
+    partial = lm.assign_variables(
+        StackedModel(), {"params": {"blocks": variables["params"]["blocks"]}}, strict=False
+    )
+    mixed = jax.jit(lm.transform(partial).init)(getkey())
+    np.testing.assert_array_equal(
+        mixed["params"]["blocks"]["block"]["kernel"],
+        variables["params"]["blocks"]["block"]["kernel"],
+    )
+    inp = variables["params"]["inp"]["kernel"]
+    assert not np.array_equal(mixed["params"]["inp"]["kernel"], inp)  # drawn afresh
+    x = jnp.ones((1, 3))
+    np.testing.assert_array_equal(apply(variables, None, x)[0], apply(again, None, x)[0])
+
+
+def test_assign_to_a_stack_wants_the_stored_shape():
+    one_copy = {"params": {"block": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}}}
+    expected = r"params/block/bias: expected \(3, 2\), got \(2,\)"
+    with pytest.raises(lm.VariablesError, match=expected):
+        lm.assign_variables(lm.Stack(lm.Dense(2, 2), 3), one_copy)
+
+
+def test_assign_refuses_floats_a_narrower_dtype_turns_to_inf():
+    kernel = np.full((2, 2), 1e6)
+    with pytest.raises(
+        ValueError,
+        match=r"Parameter at params/kernel, stored as float16: 4 finite value\(s\) \(the largest "
+        r"1e\+06\) are beyond float16's range \(largest 65504\)",
+    ):
+        lm.assign_variables(
+            lm.Dense(2, 2, param_dtype=jnp.float16), {"params": {"kernel": kernel}}, strict=False
+        )
+
+
+def test_assign_flags_must_be_bools():
+    with pytest.raises(
+        TypeError, match=r"lm.assign_variables: strict must be True or False, got str"
+    ):
+        lm.assign_variables(Mlp(6, 5, 3), pretrained(), strict="no")

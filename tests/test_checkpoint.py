@@ -221,7 +221,12 @@ BAD_INPUTS = {  # name: (variables, what the message says)
     "float": (lambda: {"params": {"scale": 1.0}}, r"params/scale: float 1.0 is not an array"),
     "abstract": (
         lambda: {"params": {"w": jax.ShapeDtypeStruct((2,), jnp.float32)}},
-        r"params/w: .*ShapeDtypeStruct describes",
+        r"params/w: a ShapeDtypeStruct \(shape \(2,\), float32\) describes an array without "
+        r"holding one",
+    ),
+    "masked": (
+        lambda: {"w": np.ma.array([1.0, 2.0], mask=[0, 1], dtype=np.float32)},
+        r"w: a NumPy masked array, whose mask the file cannot keep",
     ),
     "complex128": (lambda: {"w": np.ones(2, np.complex128)}, r"w: dtype complex128 .*complex64"),
     "int4": (lambda: {"w": jnp.ones(2, jnp.int4)}, r"w: dtype int4 has no safetensors type"),

@@ -755,3 +755,135 @@ def test_a_stack_at_the_root_and_nested_stacks():
         TypeError, match=r"Dense\) has variables stored with leading axes.*jnp\.stack"
     ):
         lm.from_torch(model, {})
+
+
+def test_to_torch_refuses_a_rename_dict_it_cannot_reverse():
+    class Model(lm.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = lm.Dense(3, 4)
+
+    linear = nn.Linear(3, 4)
+    rename = {"backbone.": "body.", "neck.": "body."}
+    variables = lm.from_torch(
+        Model(), {f"backbone.{k}": v for k, v in linear.state_dict().items()}, rename=rename
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"cannot reverse rename: it maps 'backbone.', 'neck.' all to 'body.'.*Pass a "
+        r"function",
+    ):
+        lm.to_torch(Model(), variables, rename=rename)
+    exported = lm.to_torch(Model(), variables, rename={"backbone.": "body."})
+    assert sorted(exported) == ["backbone.bias", "backbone.weight"]
+
+
+def test_meta_tensors_are_refused_by_name():
+    with torch.device("meta"):
+        linear = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=r"state_dict\['weight'\] is a meta tensor"):
+        lm.from_torch(lm.Dense(3, 2), linear.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("torch_dtype", "dtype"),
+    [
+        (torch.float8_e4m3fn, jnp.float8_e4m3fn),
+        (torch.float8_e5m2, jnp.float8_e5m2),
+    ],
+)
+def test_float8_state_dicts_round_trip_bit_for_bit(torch_dtype, dtype):
+    state_dict = {k: v.to(torch_dtype) for k, v in nn.Linear(3, 2).state_dict().items()}
+    model = lm.Dense(3, 2, param_dtype=dtype, dtype=jnp.float32)
+    variables = lm.from_torch(model, state_dict)
+    assert variables["params"]["kernel"].dtype == dtype
+    back = lm.to_torch(model, variables)
+    for name, tensor in state_dict.items():
+        assert back[name].dtype == torch_dtype
+        assert torch.equal(back[name].view(torch.uint8), tensor.view(torch.uint8))
+
+
+def test_tied_variables_holding_nan_are_equal():
+    class Tied(lm.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = lm.Dense(3, 3)
+            self.b = lm.Dense(3, 3)
+            self.b.kernel = self.a.kernel
+
+    weight = torch.randn(3, 3)
+    weight[0, 0] = float("nan")
+    state_dict = {
+        "a.weight": weight,
+        "a.bias": torch.zeros(3),
+        "b.weight": weight.clone(),
+        "b.bias": torch.ones(3),
+    }
+    variables = lm.from_torch(Tied(), state_dict)
+    assert np.isnan(variables["params"]["a"]["kernel"][0, 0])
+    changed = dict(state_dict, **{"b.weight": torch.ones(3, 3)})
+    with pytest.raises(lm.VariablesError, match="shared by two layers, which got different values"):
+        lm.from_torch(Tied(), changed)
+
+
+def test_non_strict_import_that_converts_nothing_is_an_error():
+    state_dict = {f"module.{k}": v for k, v in nn.Linear(3, 2).state_dict().items()}
+    with pytest.raises(
+        lm.VariablesError,
+        match=r"converted none of Dense's variables \(missing weight \(for <root> \(Dense\)\); "
+        r"the state dict's names look like module.bias, module.weight, the model's variables "
+        r"like params/bias\)",
+    ):
+        lm.from_torch(lm.Dense(3, 2), state_dict, rename={"modul.": ""}, strict=False)
+
+    class Two(lm.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = lm.Dense(3, 2)
+            self.b = lm.Dense(2, 2)
+
+    only_a = {f"a.{k}": v for k, v in nn.Linear(3, 2).state_dict().items()}
+    partial = lm.from_torch(Two(), only_a, strict=False)
+    assert list(partial["params"]) == ["a"]
+
+
+def test_values_a_narrower_dtype_cannot_hold_are_refused():
+    big = {"weight": torch.full((2, 2), 1e6), "bias": torch.zeros(2)}
+    with pytest.raises(
+        lm.VariablesError,
+        match=r"params/kernel is stored as float16, but .* gave float32: 4 finite value\(s\) "
+        r"\(the largest 1e\+06\) are beyond float16's range",
+    ):
+        lm.from_torch(lm.Dense(2, 2, param_dtype=jnp.float16), big)
+
+    class Counter(lm.Module):
+        def __init__(self):
+            super().__init__()
+            self.count = lm.State("counters", (), lm.initializers.zeros(), jnp.int32)
+
+    lm.register_torch(
+        Counter, lambda layer, t: {"count": t["n"]}, lambda layer, v: {"n": v["count"]}
+    )
+    with pytest.raises(lm.VariablesError, match=r"do not fit in int32 .* a cast would wrap"):
+        lm.from_torch(Counter(), {"n": torch.tensor(2**40 + 5)})
+    counters = lm.from_torch(Counter(), {"n": torch.tensor(7)})["counters"]  # int64, fits
+    assert counters["count"].dtype == jnp.int32 and int(counters["count"]) == 7
+
+
+def test_strict_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"lm.from_torch: strict must be True or False, got int"):
+        lm.from_torch(lm.Dense(3, 2), nn.Linear(3, 2).state_dict(), strict=0)
+
+
+def test_two_layers_with_one_pytorch_name_are_refused():
+    class Clash(lm.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = {"a": {"b": lm.Dense(2, 2)}, "a.b": lm.Dense(2, 2)}
+
+    state_dict = {"m.a.b.weight": torch.ones(2, 2), "m.a.b.bias": torch.zeros(2)}
+    match = r"lamina layers m/a/b and m/a.b would both read and write the PyTorch names 'm.a.b.\*'"
+    with pytest.raises(ValueError, match=match):
+        lm.from_torch(Clash(), state_dict)
+    with pytest.raises(ValueError, match=match):
+        lm.to_torch(Clash(), random_variables(Clash()))

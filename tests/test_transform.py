@@ -611,3 +611,27 @@ def test_metoryx_init_and_apply(getkey):
     np.testing.assert_array_equal(out, expected)
     first, _ = lm.apply(dense, lambda m: m.__call__)(variables, None, jnp.ones((1, 3)))
     np.testing.assert_array_equal(first, expected)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, None])
+def test_apply_refuses_a_variable_that_would_lose_its_imaginary_part(getkey, dtype):
+    init, apply = lm.transform(lm.Dense(2, 1, dtype=dtype))
+    variables = init(getkey())
+    kernel = variables["params"]["kernel"]
+    variables["params"]["kernel"] = jax.lax.complex(kernel, jnp.full_like(kernel, 5.0))
+    with pytest.raises(
+        TypeError,
+        match=r"Parameter at params/kernel got a complex64 value, but it is read as float32: "
+        r"the cast would drop the imaginary part",
+    ):
+        apply(variables, None, jnp.ones((1, 2)))
+
+
+def test_apply_casts_a_variable_within_its_kind(getkey):
+    init, apply = lm.transform(lm.Dense(2, 1))
+    variables = init(getkey())
+    low = jax.tree.map(lambda v: v.astype(jnp.bfloat16), variables)
+    out, _ = apply(low, None, jnp.ones((1, 2)))
+    expected, _ = apply(jax.tree.map(lambda v: v.astype(jnp.float32), low), None, jnp.ones((1, 2)))
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, expected)

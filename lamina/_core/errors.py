@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
 
 Key = str | int
 Path = tuple[Key, ...]
@@ -143,3 +146,16 @@ def format_list(items: Iterable[str], limit: int = 8) -> str:
     if len(items) > limit:
         shown += f", ... and {len(items) - limit} more"
     return shown
+
+
+def check_flags(where: str, /, **flags: Any) -> None:
+    """Raises `TypeError` unless every one of `flags` (name=value) is True or False.
+
+    For a function's on/off options (``strict=``...): ``strict="no"`` would otherwise count as
+    true.
+    """
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(
+                f"{where}: {name} must be True or False, got {type(value).__name__} {value!r}."
+            )

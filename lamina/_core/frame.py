@@ -14,6 +14,7 @@ Transforms *around* ``apply`` are unaffected: the frame opens inside them.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -205,14 +206,13 @@ class Frame:
             )
         target = state.param_dtype
         if value.dtype != target:
-            if not _castable(value.dtype, target):
-                raise TypeError(
-                    f"cannot write a {value.dtype} value to {_named(state)}, stored as "
-                    f"{target}: the cast would lose information (a float to an int drops the "
-                    f"fraction, a complex to a real drops the imaginary part). Convert it "
-                    f"explicitly (jnp.round(x).astype({target})) or declare the variable "
-                    f"with dtype={value.dtype}."
-                )
+            check_cast(
+                value.dtype,
+                target,
+                lambda: (
+                    f"cannot write a {value.dtype} value to {_named(state)}, stored as {target}"
+                ),
+            )
             value = value.astype(target)
         self.values[slot] = value
 
@@ -239,8 +239,36 @@ def _is_declaration(value: Any) -> bool:
     return isinstance(value, State)
 
 
+def check_cast(source: Any, target: Any, what: Callable[[], str]) -> None:
+    """Raises `TypeError` if a `source` value would lose its kind of number as `target`.
+
+    Every way a value enters a variable comes here (a write inside a call, a read of a value
+    that `apply` was given in another dtype, `assign_variables`, ``.value =`` before
+    `transform`): a float becoming an int, or a complex a real, is never silent. Casts
+    within a kind (float32 to bfloat16, int64 to int32) are allowed, as in NumPy's
+    ``same_kind``; where the values are known (`assign_variables`, `from_torch`),
+    `variables.narrowing_damage` refuses those the narrower dtype cannot hold.
+
+    Args:
+        source: The value's dtype.
+        target: The variable's dtype.
+        what: Builds the start of the message (only on failure), e.g. ``"cannot write a
+            float32 value to State at counters/steps, stored as int32"``.
+    """
+    if _castable(source, target):
+        return
+    complex_to_real = np.dtype(source).kind == "c"
+    part = "the imaginary part" if complex_to_real else "the fraction"
+    fix = f"jnp.real(x).astype({target})" if complex_to_real else f"jnp.round(x).astype({target})"
+    raise TypeError(
+        f"{what()}: the cast would drop {part}. Convert it explicitly ({fix}), or declare the "
+        f"variable with dtype={source}."
+    )
+
+
+@functools.cache
 def _castable(source: Any, target: Any) -> bool:
-    """Whether writing `source` into a `target` variable keeps its kind of number."""
+    """Whether a `source` value may become a `target` one (NumPy's ``same_kind``)."""
     return bool(np.can_cast(source, target, casting="same_kind"))
 
 

@@ -31,9 +31,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
-from .frame import Frame, current_frame, frame_of, where_is
+from .frame import Frame, check_cast, current_frame, frame_of, where_is
 from .variables import State
 
 
@@ -100,9 +99,11 @@ def _check(where: str, state: State, value: Any, shape: tuple[int, ...]) -> None
             f"{where}: the value substituted for {name} has shape {tuple(value.shape)}, but "
             f"the variable holds shape {shape} here; compute a value of that shape."
         )
-    if not np.can_cast(value.dtype, state.dtype, casting="same_kind"):
-        raise TypeError(
-            f"{where}: the value substituted for {name} is {value.dtype}, but the variable is "
-            f"read as {state.dtype}: the cast would lose information (the imaginary part, or "
-            f"the fraction). Compute a value of dtype {state.dtype}."
-        )
+    check_cast(
+        value.dtype,
+        state.dtype,
+        lambda: (
+            f"{where}: the value substituted for {name} is {value.dtype}, but the "
+            f"variable is read as {state.dtype}"
+        ),
+    )

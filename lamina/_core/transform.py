@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .copying import freeze
-from .errors import RngError, VariablesError, format_list, format_path
+from .errors import RngError, VariablesError, check_flags, format_list, format_path
 from .frame import Frame, PendingValues
 from .graph import Plan, VariableEntry, deep_recursion
 from .layout import bind_variables, check_variables, flatten_variables
@@ -25,6 +25,7 @@ from .module import Module
 from .records import CAPTURE, Records, finish, split_requests
 from .rng import RngStreams, check_rngs
 from .types import Variables
+from .variables import Assigned
 
 
 class Transformed(NamedTuple):
@@ -242,10 +243,13 @@ def _materialize(outputs: Any) -> Any:
 
 
 def _initial_value(entry: VariableEntry, key: Any) -> Any:
-    """The initial value of `entry`; with stored `axes`, one independent draw per copy."""
+    """The initial value of `entry`; with stored `axes`, one independent draw per copy.
+
+    An assigned value (`lm.assign_variables`, ``.value =``) already holds every copy.
+    """
     state = entry.state
     try:
-        if entry.axes:
+        if entry.axes and not isinstance(state.init, Assigned):
             copies = int(np.prod(entry.axes))
             keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(copies))
             value = jax.vmap(lambda k: state.init(k, state.shape, state.param_dtype))(keys)
@@ -366,6 +370,12 @@ def assign_variables(
         >>> report.missing
         ('params/bias',)
     """
+    check_flags(
+        "lm.assign_variables",
+        strict=strict,
+        allow_unexpected=allow_unexpected,
+        return_report=return_report,
+    )
     flat = flatten_variables(variables, "assign_variables")
     result = _copy(model, "lm.assign_variables")
     plan = Plan(result)

@@ -22,7 +22,7 @@ import numpy as np
 
 from .copying import copy_object
 from .errors import format_path
-from .frame import current_frame, frame_of
+from .frame import check_cast, current_frame, frame_of, where_is
 from .types import Initializer, Shape
 
 __all__ = ["Assigned", "BatchStat", "Cache", "Initializer", "Parameter", "Shape", "State"]
@@ -120,7 +120,20 @@ class State:
         if frame is None or frame.plan is not self._lamina_plan:
             frame = frame_of(self)
         v = frame.values[self._lamina_slot]
-        return v if v.dtype == self.dtype else v.astype(self.dtype)
+        if v.dtype == self.dtype:
+            return v
+        # A value stored as `param_dtype` always casts; one that `apply` was given in another
+        # dtype may not (a complex array for a real variable): checked only here, off the
+        # common path.
+        check_cast(
+            v.dtype,
+            self.dtype,
+            lambda: (
+                f"{type(self).__name__} at {where_is(self)} got a {v.dtype} value, but it "
+                f"is read as {self.dtype}"
+            ),
+        )
+        return v.astype(self.dtype)
 
     @value.setter
     def value(self, new: Any) -> None:
@@ -144,12 +157,19 @@ class State:
                 f"{type(self).__name__}{where}: an initial value is an array (or a number)."
             )
         got = tuple(np.shape(array))
-        if got != self.shape:
+        stored = (*self._lamina_axes, *self.shape)  # a Stack's block holds one per copy
+        if got != stored:
+            kind = "stored" if self._lamina_axes else "declared"
             raise ValueError(
-                f"cannot assign a value of shape {got} to {type(self).__name__}{where} declared "
-                f"with shape {self.shape}; the shapes must be equal."
+                f"cannot assign a value of shape {got} to {type(self).__name__}{where} {kind} "
+                f"with shape {stored}; the shapes must be equal."
             )
-        self.init = Assigned(array)
+        source = np.dtype(array.dtype) if hasattr(array, "dtype") else np.asarray(array).dtype
+        what = f"cannot assign a {source} value to {type(self).__name__}{where}, stored as "
+        check_cast(source, self.param_dtype, lambda: f"{what}{self.param_dtype}")
+        _check_range(array, source, self.param_dtype, what)
+        # A NumPy array is copied: the caller may change it before the model is transformed.
+        self.init = Assigned(np.array(array) if isinstance(array, np.ndarray) else array)
 
     @property
     def ndim(self) -> int:
@@ -447,6 +467,54 @@ class Cache(State):
         super().__init__(
             "cache", shape, init, dtype, param_dtype, mutable=True, tags=tags, sharding=sharding
         )
+
+
+def _check_range(array: Any, source: np.dtype, target: np.dtype, what: str) -> None:
+    """Refuses values that a narrower `target` cannot hold (see `narrowing_damage`)."""
+    damage = narrowing_damage(array, source, target)
+    if damage is not None:
+        raise ValueError(
+            f"{what}{target}: {damage}. Declare the variable with a wider dtype, or bring the "
+            f"values into range first."
+        )
+
+
+def narrowing_damage(array: Any, source: np.dtype, target: np.dtype) -> str | None:
+    """What casting the concrete `array` to a narrower `target` of its kind would break.
+
+    Integers that do not fit wrap around, and finite floats beyond the target's range become
+    inf (or NaN in float8 kinds without inf); rounding within the range is a cast's business.
+
+    Returns:
+        A description for an error message, or None when the cast keeps every value.
+    """
+    if np.can_cast(source, target, "safe") or isinstance(array, jax.core.Tracer):
+        return None
+    # jnp.issubdtype, not NumPy's `kind`: bfloat16 and the float8 kinds have kind "V"
+    integers = jnp.issubdtype(source, jnp.integer) and jnp.issubdtype(target, jnp.integer)
+    floats = jnp.issubdtype(source, jnp.floating) and jnp.issubdtype(target, jnp.floating)
+    if not (integers or floats):
+        return None  # another kind: check_cast decides
+    values = np.asarray(array)
+    if not values.size:
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):  # what the cast breaks is the question
+        cast = values.astype(target)
+    if integers and not np.array_equal(cast.astype(source), values):
+        info = np.iinfo(target)
+        return (
+            f"its values ({values.min()} to {values.max()}) do not fit in {target} "
+            f"({info.min} to {info.max}), and a cast would wrap them"
+        )
+    if floats:
+        lost = np.isfinite(values) & ~np.isfinite(cast.astype(np.float32))
+        if lost.any():
+            return (
+                f"{int(lost.sum())} finite value(s) (the largest {np.abs(values[lost]).max():g}) "
+                f"are beyond {target}'s range (largest {float(jnp.finfo(target).max):g}), and a "
+                f"cast would make them inf or NaN"
+            )
+    return None
 
 
 class Assigned:

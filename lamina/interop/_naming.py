@@ -175,6 +175,16 @@ def find_targets(plan: Plan) -> tuple[list[Target], list[Unconvertible]]:
             covered.add(path)
         elif isinstance(module, Stack):
             stacks[(*path, "block")] = module
+    seen: dict[tuple[tuple[str, ...], int | None], Path] = {}
+    for target in targets:
+        other = seen.setdefault((target.prefixes, target.layer), target.path)
+        if other != target.path:
+            first, second = ("/".join(map(str, p)) or "<root>" for p in (other, target.path))
+            raise ValueError(
+                f"lamina layers {first} and {second} would both read and write the PyTorch "
+                f"names '{target.prefixes[0]}.*': a dict key that contains '.' reads like a "
+                f"nested name (PyTorch refuses such keys). Rename the key."
+            )
     done = {id(entry.state) for target in targets for entry in target.variables.values()}
     unconvertible: dict[Path, list[str]] = {}
     for entry in plan.declared:
@@ -205,9 +215,23 @@ def renamer(rename: Rename, inverse: bool) -> tuple[Callable[[str], str | None],
             f"rename must be a function (name -> new name, or None to drop it) or a dict of "
             f"prefixes {{'old.': 'new.', 'dropped.': None}}, got {rename!r:.200}."
         )
-    pairs = (
-        {new: old for old, new in rename.items() if new is not None} if inverse else dict(rename)
-    )
+    if inverse:
+        sources: dict[str, list[str]] = {}
+        for old, new in rename.items():
+            if new is not None:
+                sources.setdefault(new, []).append(old)
+        shared = {new: olds for new, olds in sources.items() if len(olds) > 1}
+        if shared:
+            new, olds = next(iter(shared.items()))
+            raise ValueError(
+                f"lm.to_torch cannot reverse rename: it maps {format_list(map(repr, olds))} all "
+                f"to {new!r}, so which PyTorch name a variable under {new!r} came from is "
+                f"unknown. Pass a function (lamina-style name -> PyTorch name) or a dict with "
+                f"one prefix per new prefix."
+            )
+        pairs: dict[str, str | None] = {new: olds[0] for new, olds in sources.items()}
+    else:
+        pairs = dict(rename)
     order = sorted(pairs, key=len, reverse=True)  # the longest prefix wins
 
     def apply(key: str) -> str | None:

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.errors import VariablesError, format_list
+from .._core.errors import VariablesError, check_flags, format_list
 from .._core.graph import Plan, VariableEntry
 from .._core.layout import check_variables, flatten_variables, nest
-from .._core.variables import Cache
+from .._core.variables import Cache, narrowing_damage
 from . import _arrays, _layers, _recurrent
 from ._naming import Rename, Target, Unconvertible, find_targets, renamer
 from ._registry import MissingTensor, ShapeMismatch, Tensors, Unsupported
@@ -63,7 +63,9 @@ def from_torch(
             replaced; None drops the entry).
         strict: Require every variable of `model` to be filled and every (kept) entry of the
             state dict to be used. False returns the variables that could be converted, for
-            `lm.merge` or `lm.assign_variables` with others. Wrong shapes are always errors.
+            `lm.merge` or `lm.assign_variables` with others. Wrong shapes are always errors,
+            and so is converting nothing at all from a non-empty state dict (every name
+            missed: a rename that matched nothing).
 
     Returns:
         ``{collection: nested dict of jax arrays}``, ready for ``apply``.
@@ -85,6 +87,7 @@ def from_torch(
         >>> variables["params"]["layers_0"]["kernel"].shape  # Linear's weight, transposed
         (3, 4)
     """
+    check_flags("lm.from_torch", strict=strict)
     plan = Plan(model)
     targets, unconvertible = find_targets(plan)
     _refuse_unconvertible("from_torch", unconvertible)
@@ -108,7 +111,16 @@ def from_torch(
             problems.unfilled.append(entry.name)
     problems.unused = [origin[k] for k in arrays if k not in read]
     problems.raise_if_any(type(model).__name__, strict, rename, used_prefixes)
-    return nest(filled)
+    if values or not plan.variables or not arrays:
+        return nest(filled)
+    # strict=False, and not one name matched: the caller would get variables that are only
+    # caches, or nothing at all, and a later step would fail far from the cause.
+    missing = f"missing {format_list(problems.missing)}" if problems.missing else "no match"
+    raise VariablesError(
+        f"lm.from_torch(strict=False) converted none of {type(model).__name__}'s variables "
+        f"({missing}; the state dict's names look like {format_list(sorted(arrays)[:3])}, "
+        f"the model's variables like {plan.variables[0].name}). {_NAMING}."
+    )
 
 
 def to_torch(model: Any, variables: Mapping[str, Any], *, rename: Rename = None) -> dict[str, Any]:
@@ -399,10 +411,18 @@ def _store(
             f"lose its fraction or imaginary part"
         )
         return
+    damage = narrowing_damage(array, np.dtype(array.dtype), np.dtype(dtype))
+    if damage is not None:
+        problems.wrong.append(
+            f"{entry.name} is stored as {dtype}, but {sources} gave {array.dtype}: {damage}"
+        )
+        return
     # A copy: on the CPU, jax may otherwise share the memory of an aligned NumPy array, and
     # with it a torch tensor's, which PyTorch updates in place (BatchNorm's running stats).
     converted = jnp.array(array, dtype, copy=True)
-    if id(entry.state) in values and not np.array_equal(values[id(entry.state)], converted):
+    if id(entry.state) in values and not np.array_equal(
+        values[id(entry.state)], converted, equal_nan=True
+    ):
         problems.wrong.append(
             f"{entry.name} is shared by two layers, which got different values (from {sources})"
         )

@@ -129,12 +129,19 @@ def _leaf_problem(leaf: Any) -> str | None:
             f"a {type(leaf).__name__}; variables hold sequences as dicts keyed '0', '1', ... "
             f"(as init returns them): use {{str(i): x for i, x in enumerate(items)}}"
         )
-    elif not isinstance(leaf, (np.ndarray, np.generic)):
-        hint = " (a ShapeDtypeStruct describes an array without holding one)" * isinstance(
-            leaf, jax.ShapeDtypeStruct
-        )
+    elif isinstance(leaf, jax.ShapeDtypeStruct):
         return (
-            f"{type(leaf).__name__} {leaf!r:.40} is not an array{hint}; wrap numbers with "
+            f"a ShapeDtypeStruct (shape {leaf.shape}, {leaf.dtype}) describes an array without "
+            f"holding one (jax.eval_shape's output?); save the arrays that init returns"
+        )
+    elif isinstance(leaf, np.ma.MaskedArray):
+        return (
+            "a NumPy masked array, whose mask the file cannot keep; save leaf.filled(value) "
+            "and, if it matters, the mask (np.ma.getmaskarray(leaf)) as two arrays"
+        )
+    elif not isinstance(leaf, (np.ndarray, np.generic)):
+        return (
+            f"{type(leaf).__name__} {leaf!r:.40} is not an array; wrap numbers with "
             f"jnp.asarray(x, dtype) to choose their dtype"
         )
     if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
