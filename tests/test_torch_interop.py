@@ -887,3 +887,17 @@ def test_two_layers_with_one_pytorch_name_are_refused():
         lm.from_torch(Clash(), state_dict)
     with pytest.raises(ValueError, match=match):
         lm.to_torch(Clash(), random_variables(Clash()))
+
+
+def test_a_one_layer_model_lists_the_entries_it_could_not_name():
+    state_dict = {f"x.{k}": v for k, v in nn.Linear(3, 2).state_dict().items()}
+    with pytest.raises(
+        lm.VariablesError,
+        match=r"(?s)missing from the state dict \(1\): weight.*unused state dict entries \(2\): "
+        r"x.weight, x.bias",
+    ):
+        lm.from_torch(lm.Dense(3, 2), state_dict)
+    wrong_shape = {"weight": torch.ones(2, 2), "bias": torch.zeros(2)}
+    with pytest.raises(lm.VariablesError, match="wrong shape") as error:
+        lm.from_torch(lm.Dense(3, 2), wrong_shape)
+    assert "unused" not in str(error.value)  # the bias is the layer's, not a stray entry

@@ -351,9 +351,15 @@ def _convert(
             produced = target.converter.to_lamina(target.module, tensors)
         except (MissingTensor, ShapeMismatch, Unsupported) as error:
             problems.explained.update(id(e.state) for e in target.variables.values())
-            for other in range(len(target.prefixes)):
-                mine = target.tensors(arrays, other)
-                read.update(mine.full_name(name) for name in mine)
+            if any(target.prefixes) or not isinstance(error, MissingTensor):
+                # The layer's other tensors are not listed again as unused.
+                for other in range(len(target.prefixes)):
+                    mine = target.tensors(arrays, other)
+                    read.update(mine.full_name(name) for name in mine)
+            else:
+                # A name missing in a model that is this one layer: its empty prefix would
+                # claim every entry, hiding the misnamed ones; list all it did not read.
+                read |= tensors.read
             problems.add(error, target, tensors, origin)
             return None
         read |= tensors.read
