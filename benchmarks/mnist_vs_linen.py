@@ -11,6 +11,7 @@ constants that derive the dropout key differ). Prints test accuracy and time per
     python benchmarks/mnist_vs_linen.py --epochs 2 --limit 20000
     python benchmarks/mnist_vs_linen.py --data-dir path/to/mnist
     python benchmarks/mnist_vs_linen.py --digits --epochs 2      # a quick run
+    python benchmarks/mnist_vs_linen.py --hlo      # compare the two compiled steps, op by op
 
 The default data is Fashion-MNIST when Debian's `dataset-fashion-mnist` is installed (`sudo
 apt-get install dataset-fashion-mnist` puts it in /usr/share/datasets/fashion-mnist), else
@@ -20,7 +21,9 @@ scikit-learn's bundled 8x8 digits.
 from __future__ import annotations
 
 import argparse
+import collections
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -72,6 +75,41 @@ def linen_steps(model, optimizer):
         return {"loss": loss, "accuracy": (logits.argmax(-1) == batch["label"]).mean()}
 
     return train_step, eval_step
+
+
+def compiled_ops(image_shape, num_classes, batch_size):
+    """Each library's compiled training step as a count of XLA ops by kind.
+
+    The two counts differ only where the programs do: with dropout on, in the constants and
+    the one add that derive each library's dropout key.
+    """
+    init, apply = lm.transform(ConvNet(image_shape[:2], image_shape[2], num_classes))
+    params = init(jr.PRNGKey(0))["params"]
+    optimizer = optax.sgd(0.01, momentum=0.9)
+    batch = {
+        "image": np.zeros((batch_size, *image_shape), np.float32),
+        "label": np.zeros((batch_size,), np.int32),
+    }
+    counts = {}
+    for name, (train_step, _) in {
+        "lamina": make_steps(apply, optimizer),
+        "Flax Linen": linen_steps(LinenConvNet(num_classes), optimizer),
+    }.items():
+        compiled = train_step.lower(jr.PRNGKey(1), params, {}, optimizer.init(params), batch)
+        text = compiled.compile().as_text()
+        counts[name] = collections.Counter(re.findall(r"= \S+ ([\w-]+)\(", text))
+    return counts
+
+
+def print_ops(counts):
+    """The op counts side by side, the kinds that differ marked."""
+    names = list(counts)
+    kinds = sorted(set().union(*counts.values()), key=lambda k: -counts[names[0]][k])
+    print(f"{'op':24s}" + "".join(f"{n:>12s}" for n in names))
+    for kind in kinds:
+        values = [counts[n][kind] for n in names]
+        mark = "   <- differs" if len(set(values)) > 1 else ""
+        print(f"{kind:24s}" + "".join(f"{v:12d}" for v in values) + mark)
 
 
 def run_epoch(train_step, carry, batches, rng):
@@ -203,6 +241,11 @@ def main():
     parser.add_argument(
         "--batch-size", type=int, default=64, help="examples per step (default: %(default)s)"
     )
+    parser.add_argument(
+        "--hlo",
+        action="store_true",
+        help="print both compiled training steps' XLA op counts instead of training",
+    )
     args = parser.parse_args()
     for name in ("epochs", "limit", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -212,6 +255,11 @@ def main():
         data = _common.load_data(args)  # says which data it found
     except (FileNotFoundError, lm.data.IdxFormatError) as error:
         raise SystemExit(f"error: {error}") from None
+    if args.hlo:
+        shape = data.train["image"].shape[1:]
+        print(f"{data.name} images {shape}, batch {args.batch_size}; compiled training steps:")
+        print_ops(compiled_ops(shape, data.num_classes, args.batch_size))
+        return
     train = {k: v[: args.limit] for k, v in data.train.items()} if args.limit else data.train
     print(
         f"{data.name}: {len(train['label']):,} training images, batch {args.batch_size}, "

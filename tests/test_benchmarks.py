@@ -90,3 +90,21 @@ def test_only_rejects_unknown_parts(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 2
     assert "invalid choice: 'nope'" in done.stderr
+
+
+def test_the_example_compiles_to_linens_program():
+    """The claim behind the epoch row: with dropout on, lamina's and Linen's compiled steps
+    differ only in the ops that derive each library's dropout key."""
+    code = (
+        "import json, sys; sys.path.insert(0, 'benchmarks'); import mnist_vs_linen as m; "
+        "c = m.compiled_ops((8, 8, 1), 10, 4); a, b = c['lamina'], c['Flax Linen']; "
+        "print(json.dumps([sorted(k for k in set(a) | set(b) if a[k] != b[k]), "
+        "a['convolution'], a['dot']]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    differing, convolutions, dots = json.loads(done.stdout.splitlines()[-1])
+    assert differing == ["add", "constant"]
+    assert (convolutions, dots) == (5, 6)
