@@ -98,9 +98,8 @@ class LoopStack(lm.Stack):
         def step(block, x):
             return block(x, *args, **kwargs)
 
-        with lm.split_rngs(splits=self.n):
-            run = lm.scan(step, in_axes=(0, lm.Carry), out_axes=lm.Carry, unroll=1)
-            return run(self.block, x)
+        run = lm.scan(step, in_axes=(0, lm.Carry), out_axes=lm.Carry, unroll=1, split_rngs=True)
+        return run(self.block, x)
 
 
 def lamina_model(config, vocab_size, *, blocks=None):

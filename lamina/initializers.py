@@ -15,6 +15,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import inspect
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +31,7 @@ __all__ = [
     "Initializer",
     "constant",
     "delta_orthogonal",
+    "from_jax",
     "glorot_normal",
     "glorot_uniform",
     "he_normal",
@@ -79,6 +83,7 @@ class Initializer:
         self.config = config
         self.dtype: Any = jnp.float32  # when a call gives none (a factory's `dtype=`)
         self._identity: tuple = ("fn", fn)
+        self._factory: tuple[str, dict[str, Any]] | None = None  # (name, arguments) to remake
 
     @classmethod
     def _of(
@@ -96,7 +101,45 @@ class Initializer:
         if dtype is not None:
             init.dtype = dtype
         init._identity = ("factory", name, _canonical(arguments), str(init.dtype))
+        init._factory = (name, {**arguments, "dtype": dtype})
         return init
+
+    @classmethod
+    def _of_jax(cls, name: str, fn: Any, arguments: dict[str, Any], dtype: Any) -> Initializer:
+        """`fn` itself, a closure that ``jax.nn.initializers.<name>(**arguments)`` made.
+
+        Its values are `fn`'s own (a call without a dtype passes None, as JAX's would); what
+        changes is that it pickles, by its factory and arguments, and prints them.
+        """
+        shown = dict(arguments)
+        if dtype is not None:
+            shown["dtype"] = np.dtype(dtype).name
+        init = cls(f"jax.nn.initializers.{name}", fn, **shown)
+        init.dtype = dtype
+        init._identity = ("jax", name, _canonical(arguments), str(dtype))
+        init._factory = (f"jax.nn.initializers.{name}", {**arguments, "dtype": dtype})
+        return init
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A factory's function is a closure of `jax.nn.initializers`, which pickle cannot
+        # name: the factory's arguments travel instead and make it again (`__setstate__`).
+        state = dict(vars(self))
+        if self._factory is not None:
+            del state["fn"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+        if "fn" not in state and self._factory is not None:
+            name, arguments = self._factory
+            jax_name = name.removeprefix("jax.nn.initializers.")
+            if jax_name != name:
+                self.fn = getattr(jax.nn.initializers, jax_name)(**arguments)
+            else:
+                self.fn = globals()[name](**arguments).fn
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Initializer:
+        return self  # immutable: a model's copy shares it (and its compiled group function)
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and self._identity == other._identity
@@ -143,6 +186,71 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, dict):
         return (dict, tuple((k, _canonical(v)) for k, v in value.items()))
     return _ByIdentity(value)
+
+
+# The factories of `jax.nn.initializers` that return a closure (`zeros` and `ones` are
+# module-level functions, which pickle by name); the glorot, he, lecun and xavier ones return
+# `variance_scaling`'s.
+_JAX_FACTORIES: dict[str, tuple] = {
+    "constant": (0.0,),
+    "uniform": (),
+    "normal": (),
+    "truncated_normal": (),
+    "variance_scaling": (1.0, "fan_in", "normal"),
+    "orthogonal": (),
+    "delta_orthogonal": (),
+}
+
+
+@functools.cache
+def _jax_closures() -> dict[int, tuple[str, Any, tuple[str, ...]]]:
+    """``id(code) -> (factory name, code, its parameters)`` for the closures of the factories."""
+    found = {}
+    for name, example in _JAX_FACTORIES.items():
+        factory = getattr(jax.nn.initializers, name)
+        code = factory(*example).__code__
+        found[id(code)] = (name, code, tuple(inspect.signature(factory).parameters))
+    return found
+
+
+def from_jax(init: Any) -> Any:
+    """`init` as an `Initializer` if it is a closure made by `jax.nn.initializers`, else `init`.
+
+    ``jax.nn.initializers.he_normal()`` and the like return local functions, which `pickle`
+    cannot find by name: a model holding one could not be saved with `pickle`. Each layer and
+    declaration passes the initializers it is given through this function: a closure of
+    `jax.nn.initializers` (recognised by its code, its arguments read from its cells) becomes
+    an `Initializer` that calls the very same closure, so its values are unchanged, and pickles
+    as its factory and arguments (``jax.nn.initializers.variance_scaling(2.0, "fan_in",
+    "truncated_normal", ...)`` is made again when it is unpickled). Anything else is returned
+    as it is.
+
+    Example:
+        >>> import jax, lamina as lm
+        >>> lm.initializers.from_jax(jax.nn.initializers.normal(0.5))
+        jax.nn.initializers.normal(stddev=0.5)
+    """
+    code = getattr(init, "__code__", None)
+    if type(init) is not types.FunctionType or code is None:
+        return init
+    known = _jax_closures().get(id(code))
+    if known is None or known[1] is not code:
+        return init
+    name, _, parameters = known
+    try:
+        arguments = {
+            var: cell.cell_contents
+            for var, cell in zip(code.co_freevars, init.__closure__ or (), strict=True)
+        }
+    except ValueError:  # an empty cell: not a closure the factory finished making
+        return init
+    positional = code.co_varnames[: code.co_argcount]
+    values = init.__defaults__ or ()
+    defaults = dict(zip(positional[len(positional) - len(values) :], values, strict=True))
+    if not set(arguments) <= set(parameters) or "dtype" not in defaults:
+        return init  # another version of JAX: left as it is (pickle then says why it fails)
+    ordered = {p: arguments[p] for p in parameters if p in arguments}
+    return Initializer._of_jax(name, init, ordered, defaults["dtype"])
 
 
 def _as_dtype(name: str, dtype: Any) -> np.dtype:

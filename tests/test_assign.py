@@ -248,8 +248,66 @@ def test_assign_refuses_floats_a_narrower_dtype_turns_to_inf():
         )
 
 
+class Stored(lm.Module):
+    def __init__(self, dtype):
+        self.s = lm.State("counters", (), lm.initializers.zeros(), dtype, mutable=True)
+
+    def __call__(self):
+        return self.s.value
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value", "match"),
+    [
+        (jnp.int8, np.uint8(200), r"its values \(200 to 200\) do not fit in int8"),
+        (jnp.uint8, np.int8(-1), r"its values \(-1 to -1\) do not fit in uint8"),
+        (
+            jnp.uint32,
+            np.int32(-5),
+            r"its values \(-5 to -5\) do not fit in uint32 \(0 to 4294967295",
+        ),
+        (
+            jnp.complex64,
+            np.float64(1e300),
+            r"1 finite value\(s\) \(the largest 1e\+300\) are beyond complex64's range",
+        ),
+        (
+            jnp.complex64,
+            np.complex128(1e300j),
+            r"1 finite .* beyond complex64's range \(each part at most",
+        ),
+    ],
+)
+def test_assign_refuses_values_beyond_the_target_range(dtype, value, match):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot assign a \w+ value to State at counters/s, stored as \w+: " + match,
+    ):
+        lm.assign_variables(Stored(dtype), {"counters": {"s": value}})
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value"),
+    [(jnp.int8, np.uint8(100)), (jnp.uint8, np.int8(5)), (jnp.complex64, np.complex128(1 - 2j))],
+)
+def test_assign_casts_values_within_the_target_range(dtype, value, getkey):
+    model = lm.assign_variables(Stored(dtype), {"counters": {"s": value}})
+    stored = lm.transform(model).init(getkey())["counters"]["s"]
+    assert stored.dtype == dtype and complex(stored) == complex(value)
+
+
 def test_assign_flags_must_be_bools():
     with pytest.raises(
         TypeError, match=r"lm.assign_variables: strict must be True or False, got str"
     ):
         lm.assign_variables(Mlp(6, 5, 3), pretrained(), strict="no")
+
+
+@pytest.mark.parametrize("array", [np.array(["a", "b"]), np.array([None, 1], dtype=object)])
+def test_assign_refuses_an_array_that_is_not_numeric(array):
+    with pytest.raises(
+        TypeError,
+        match=r"cannot assign a \S+ value to Parameter at params/bias, stored as float32: a \S+ "
+        r"array is not a numeric array",
+    ):
+        lm.assign_variables(lm.Dense(2, 2), {"params": {"bias": array}}, strict=False)

@@ -1,5 +1,6 @@
 """lm.save / lm.load: safetensors round trips, atomic writes, bad files, model checks, shards."""
 
+import errno
 import json
 import os
 import pickle
@@ -142,7 +143,12 @@ def test_stacked_and_bfloat16_variables_check_their_stored_layout(tmp_path):
 def test_metadata_is_stored_in_the_header(tmp_path):
     lm.save(tmp_path / "a.safetensors", {"w": jnp.ones(2)}, metadata={"step": "7", "by": "me"})
     with safetensors.safe_open(tmp_path / "a.safetensors", "np") as file:
-        assert file.metadata() == {"step": "7", "by": "me"}
+        stored = file.metadata()
+    assert {k: v for k, v in stored.items() if not k.startswith("lamina.")} == {
+        "step": "7",
+        "by": "me",
+    }
+    assert set(json.loads(stored["lamina.crc32"])) == {"w"}
 
 
 # -- the safetensors package, both ways ---------------------------------------------------
@@ -175,8 +181,18 @@ def test_lm_save_writes_the_same_bytes_as_the_package(tmp_path):
         layer, leaf = name.split("/")
         nested.setdefault(layer, {})[leaf] = value
     lm.save(tmp_path / "lamina.safetensors", nested)
-    expected = (tmp_path / "package.safetensors").read_bytes()
-    assert (tmp_path / "lamina.safetensors").read_bytes() == expected
+    ours, theirs = (
+        split_file((tmp_path / f"{n}.safetensors").read_bytes()) for n in ("lamina", "package")
+    )
+    assert ours[1] == theirs[1]  # the same data, in the same order
+    checksums = ours[0].pop("__metadata__")  # and the same header, but for lamina's checksums
+    assert ours[0] == theirs[0] and set(json.loads(checksums["lamina.crc32"])) == set(values)
+
+
+def split_file(raw):
+    """A safetensors file's header (parsed) and data."""
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
 
 
 def test_lm_load_reads_what_the_package_writes(tmp_path):
@@ -217,7 +233,7 @@ BAD_INPUTS = {  # name: (variables, what the message says)
     "non-str key": (lambda: {"params": {1: jnp.ones(2)}}, r"key 1 \(int\) in params"),
     "slash": (lambda: {"params": {"a/b": jnp.ones(2)}}, r"key 'a/b' in params"),
     "empty key": (lambda: {"params": {"": jnp.ones(2)}}, r"key '' in params"),
-    "list": (lambda: {"params": {"layers": [jnp.ones(2)]}}, r"params/layers: a list; .*enumerate"),
+    "set": (lambda: {"params": {"layers": {1.0}}}, r"params/layers: set \{1.0\} is not an array"),
     "float": (lambda: {"params": {"scale": 1.0}}, r"params/scale: float 1.0 is not an array"),
     "abstract": (
         lambda: {"params": {"w": jax.ShapeDtypeStruct((2,), jnp.float32)}},
@@ -233,7 +249,8 @@ BAD_INPUTS = {  # name: (variables, what the message says)
     "key array": (lambda: {"rng": jax.random.key(0)}, r"rng: a typed PRNG key.*key_data"),
     "deleted": (lambda: {"w": _deleted()}, r"w: a deleted array"),
     "reserved": (lambda: {"__metadata__": jnp.ones(2)}, r"'__metadata__'.*reserves"),
-    "not a dict": (lambda: [jnp.ones(2)], r"must be a dict"),
+    "bare array": (lambda: jnp.ones(2), r"must be a pytree of arrays .*got ArrayImpl"),
+    "none": (lambda: None, r"must be a pytree of arrays .*got NoneType"),
 }
 
 
@@ -345,13 +362,35 @@ def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
     path = tmp_path / "model.safetensors"
     live = tmp_path / ".model.safetensors.0123456789abcdef.lamina-tmp"
     dead = tmp_path / ".model.safetensors.fedcba9876543210.lamina-tmp"
-    other = tmp_path / ".other.safetensors.0123456789abcdef.lamina-tmp"
-    for stray in (live, dead, other):
+    other_live = tmp_path / ".step_2.safetensors.0123456789abcdef.lamina-tmp"
+    other_dead = tmp_path / ".step_1.safetensors.fedcba9876543210.lamina-tmp"
+    not_ours = tmp_path / ".notes.txt.swp"
+    for stray in (live, dead, other_live, other_dead, not_ours):
         stray.write_bytes(b"partial")
-    with open(live, "rb+") as held:
+    with open(live, "rb+") as held, open(other_live, "rb+") as other_held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # as a save in progress holds it
+        fcntl.flock(other_held.fileno(), fcntl.LOCK_EX)
         lm.save(path, {"w": jnp.ones(2)})
-    assert live.exists() and other.exists() and not dead.exists()
+        assert live.exists() and other_live.exists() and not_ours.exists()
+    assert not dead.exists() and not other_dead.exists()  # any save cleans its folder
+
+
+def test_a_save_removes_the_strays_of_other_checkpoints_in_its_folder(tmp_path):
+    path = tmp_path / "step_1.safetensors"
+    lm.save(path, {"w": jnp.arange(3.0)})
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "writing"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+        child.stdout.close()
+    assert len(stray_files(tmp_path)) == 1
+    lm.save(tmp_path / "step_2.safetensors", {"w": jnp.ones(2)})  # another name, same folder
+    assert stray_files(tmp_path) == []
+    assert lm.load(path)["w"].shape == (3,)
 
 
 def test_an_error_while_writing_removes_the_temporary_file(tmp_path, monkeypatch):
@@ -360,10 +399,12 @@ def test_an_error_while_writing_removes_the_temporary_file(tmp_path, monkeypatch
     before = path.read_bytes()
 
     def fail(*args):
-        raise OSError("disk full")
+        raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(_save, "_write_tensor", fail)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(
+        lm.CheckpointError, match=r"could not write .*model\.safetensors .*EIO|Input"
+    ):
         lm.save(path, {"w": jnp.ones(4)})
     assert path.read_bytes() == before and stray_files(tmp_path) == []
 
@@ -579,6 +620,11 @@ def recording_blocks(array):
         yield index, block
 _save._host_blocks = recording_blocks
 lm.save(path, variables)
+mapped_bytes = open(path, "rb").read()
+_save.reserve = lambda fd, size: False  # a file system without fallocate: ordinary writes
+lm.save(path, variables)
+assert open(path, "rb").read() == mapped_bytes  # strided shards written run by run, the same
+written = written[: len(written) // 2]
 kernel_blocks = [b for shape, b in written if shape == (8, 16)]
 assert kernel_blocks == [(4, 4)] * 8, kernel_blocks  # one block per distinct shard
 assert Counter(b for shape, b in written if shape == (16,)) == {(4,): 8, (2,): 8, (16,): 2}
@@ -635,3 +681,333 @@ def test_sharded_variables_save_and_load_one_block_per_device(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-4000:]
+
+
+# -- faults while writing -----------------------------------------------------------------
+
+_LIMITED_WRITER = r"""
+import resource, signal, sys
+import numpy as np
+import lamina as lm
+from lamina.io import _save
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the limit is then EFBIG, as in Python itself
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+if sys.argv[2] == "unreserved":
+    _save.reserve = lambda fd, size: False  # ordinary writes hit the limit midway
+try:
+    lm.save(sys.argv[1], {"w": np.ones(2**19, np.float32)})  # 2 MiB
+except lm.CheckpointError as error:
+    print(error)
+"""
+
+
+@pytest.mark.parametrize("mode", ["reserved", "unreserved"])
+def test_a_file_size_limit_is_a_checkpoint_error_naming_the_file(tmp_path, mode):
+    path = tmp_path / "model.safetensors"
+    lm.save(path, {"w": jnp.arange(3.0)})
+    before = path.read_bytes()
+    result = subprocess.run(
+        [sys.executable, "-c", _LIMITED_WRITER, str(path), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"lm.save could not write {path} (2097" in result.stdout
+    assert "File too large" in result.stdout and "ulimit -f" in result.stdout
+    assert path.read_bytes() == before and stray_files(tmp_path) == []
+
+
+def test_a_full_disk_is_a_checkpoint_error_before_anything_is_written(tmp_path, monkeypatch):
+    path = tmp_path / "model.safetensors"
+    lm.save(path, {"w": jnp.arange(3.0)})
+    before = path.read_bytes()
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(
+        lm.CheckpointError,
+        match=r"could not write .*model\.safetensors \(4\d\d\d bytes needed, \d+ free on its "
+        r"file system\): No space left on device\. The file at .* is as it was .*Free space",
+    ):
+        lm.save(path, {"w": jnp.ones(1000)})
+    assert path.read_bytes() == before and stray_files(tmp_path) == []
+
+
+_FULL_DISK = r"""
+import sys
+import numpy as np
+import lamina as lm
+try:
+    lm.save(sys.argv[1], {"w": np.ones(2**20, np.float32)})  # 4 MiB on a 1 MiB disk
+except lm.CheckpointError as error:
+    print(error)
+"""
+
+
+def test_a_disk_that_fills_during_a_save_is_an_error_not_a_crash(tmp_path):
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or not sys.platform.startswith("linux"):
+        pytest.skip("mounting a small tmpfs needs root on Linux")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr[-200:]!r}")
+    try:
+        path = disk / "model.safetensors"
+        lm.save(path, {"w": jnp.arange(3.0)})
+        before = path.read_bytes()
+        result = subprocess.run(
+            [sys.executable, "-c", _FULL_DISK, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, (result.returncode, result.stderr[-3000:])  # not SIGBUS
+        assert "4194" in result.stdout and "No space left on device" in result.stdout
+        assert path.read_bytes() == before and stray_files(disk) == []
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_writes_without_a_reservation_give_the_same_file(tmp_path, monkeypatch):
+    values = {"a": random_array(np.float32, (5, 7)), "b": random_array(jnp.bfloat16, (3,), 1)}
+    values["c"] = np.arange(4, dtype=">i4")  # big-endian in, little-endian in the file
+    lm.save(tmp_path / "mapped.safetensors", values)
+    monkeypatch.setattr(_save, "reserve", lambda fd, size: False)
+    lm.save(tmp_path / "written.safetensors", values)
+    mapped = (tmp_path / "mapped.safetensors").read_bytes()
+    assert (tmp_path / "written.safetensors").read_bytes() == mapped
+
+
+def test_runs_of_a_strided_shard_cover_it_in_file_order():
+    tensor = np.arange(4 * 6 * 5).reshape(4, 6, 5)
+    index = (slice(2, 4), slice(0, 3), slice(None))  # rows 2-3, columns 0-2: one run per row
+    runs = list(_save._runs(tensor.shape, index, tensor[index]))
+    assert [(at, run.shape) for at, run in runs] == [(60, (3, 5)), (90, (3, 5))]
+    flat = tensor.reshape(-1)
+    for at, run in runs:
+        np.testing.assert_array_equal(flat[at : at + run.size], run.reshape(-1))
+    assert [at for at, _ in _save._runs((4, 6), (slice(1, 3),), tensor[0, :2])] == [6]
+
+
+# -- corrupted data -----------------------------------------------------------------------
+
+
+def flipped(raw, position, bit=0):
+    data = bytearray(raw)
+    data[position] ^= 1 << bit
+    return bytes(data)
+
+
+def test_every_single_byte_flip_in_the_data_is_an_error_naming_the_array(tmp_path):
+    values = {"params": {"a": random_array(np.float32, (16, 8)), "b": random_array(np.int8, (40,))}}
+    path = tmp_path / "a.safetensors"
+    lm.save(path, values)
+    raw = path.read_bytes()
+    header, data = split_file(raw)
+    start = len(raw) - len(data)
+    rng = np.random.default_rng(0)
+    for name in ("params/a", "params/b"):
+        begin, end = header[name]["data_offsets"]
+        for position in rng.integers(begin, end, 25):
+            path.write_bytes(flipped(raw, start + int(position), int(rng.integers(8))))
+            with pytest.raises(
+                lm.CheckpointError,
+                match=rf"a\.safetensors is corrupted: the data of 1 array\(s\) does not match "
+                rf"the checksum .*: {name}\. .*verify=False",
+            ):
+                lm.load(path)
+    # verify=False reads the damaged bytes as they are
+    path.write_bytes(flipped(raw, start + header["params/b"]["data_offsets"][0], 0))
+    damaged = lm.load(path, verify=False)["params"]["b"]
+    assert int(damaged[0]) == int(values["params"]["b"][0]) ^ 1
+
+
+def test_a_header_followed_by_zeros_is_an_error(tmp_path):
+    path = tmp_path / "a.safetensors"
+    lm.save(path, {"w": random_array(np.float32, (64,)), "n": np.arange(5, dtype=np.int32)})
+    raw = path.read_bytes()
+    _, data = split_file(raw)
+    path.write_bytes(raw[: len(raw) - len(data)] + bytes(len(data)))
+    with pytest.raises(lm.CheckpointError, match=r"2 array\(s\) does not match.*: n, w"):
+        lm.load(path)
+
+
+def test_a_header_edit_that_reinterprets_the_bytes_is_an_error(tmp_path):
+    path = tmp_path / "a.safetensors"
+    lm.save(path, {"w": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    raw = path.read_bytes()
+    for old, new in [(b'"F32"', b'"I32"'), (b"[2,3]", b"[3,2]")]:
+        assert raw.count(old) == 1
+        path.write_bytes(raw.replace(old, new))
+        with pytest.raises(lm.CheckpointError, match=r"does not match the checksum.*: w"):
+            lm.load(path)
+
+
+@pytest.mark.parametrize(
+    "entry, match",
+    [
+        ('{"w": "zz"}', r"not 8 hex digits for w"),
+        ('{"v": "00000000"}', r"names differ in v, w"),
+        ("[1]", r"not a JSON object"),
+        ("{", r"Expecting"),
+    ],
+)
+def test_a_damaged_checksum_entry_is_an_error(tmp_path, entry, match):
+    path = tmp_path / "a.safetensors"
+    safetensors.numpy.save_file({"w": np.ones(2, np.float32)}, path, {"lamina.crc32": entry})
+    with pytest.raises(
+        lm.CheckpointError, match=rf"checksum entry 'lamina.crc32' is damaged .*{match}"
+    ):
+        lm.load(path)
+    assert lm.load(path, verify=False)["w"].shape == (2,)
+
+
+def test_files_without_checksums_still_load(tmp_path):
+    values = {"params": {"w": random_array(np.float32, (3, 2))}}
+    path = tmp_path / "old.safetensors"
+    lm.save(path, values)
+    header, data = split_file(path.read_bytes())
+    del header["__metadata__"]  # as the version before checksums wrote it
+    path.write_bytes(_with_header(header, data))
+    assert same_bits(lm.load(path)["params"]["w"], values["params"]["w"])
+
+
+@pytest.mark.parametrize("damaged", [b"lamina.crc33", b"lamina.CRC32"])
+def test_a_damaged_checksum_key_is_an_error(tmp_path, damaged):
+    path = tmp_path / "a.safetensors"
+    lm.save(path, {"w": np.arange(4, dtype=np.float32), "e": {}})
+    raw = path.read_bytes()
+    assert raw.count(b"lamina.crc32") == 1
+    raw = bytearray(raw.replace(b"lamina.crc32", damaged))
+    raw[-1] ^= 1  # and the data: without the key's check this would load silently
+    path.write_bytes(bytes(raw))
+    with pytest.raises(
+        lm.CheckpointError,
+        match=r"lamina's metadata \(lamina\.\S+, lamina\.empty_dicts\) but no checksum entry "
+        r"'lamina.crc32'.*verify=False",
+    ):
+        lm.load(path)
+    assert lm.load(path, verify=False)["w"].shape == (4,)
+
+
+def test_files_of_other_writers_load_unchecked(tmp_path):
+    path = tmp_path / "a.safetensors"
+    w = np.arange(3, dtype=np.float32)
+    safetensors.numpy.save_file({"w": w}, path, {"format": "np", "other.crc32": "x"})
+    np.testing.assert_array_equal(np.asarray(lm.load(path)["w"]), w)
+
+
+def test_verify_must_be_a_bool(tmp_path):
+    lm.save(tmp_path / "a.safetensors", {"w": jnp.ones(2)})
+    with pytest.raises(TypeError, match=r"verify"):
+        lm.load(tmp_path / "a.safetensors", verify="no")
+
+
+# -- any pytree, restored into a structure ------------------------------------------------
+
+
+def test_a_training_state_round_trips_exactly_into_its_structure(tmp_path, net):
+    optax = pytest.importorskip("optax")
+    model, apply, variables, x = net
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    opt_state = optimizer.init(variables["params"])
+    grads = jax.tree.map(jnp.ones_like, variables["params"])
+    with jax.numpy_dtype_promotion("standard"):  # Adam's bias correction: float ** int32
+        _, opt_state = optimizer.update(grads, opt_state, variables["params"])  # count 1
+    state = {
+        "variables": variables,
+        "opt": opt_state,
+        "step": jnp.asarray(7),
+        "data": [np.int32(5)],
+    }
+    path = tmp_path / "state.safetensors"
+    lm.save(path, state)
+    with safetensors.safe_open(path, "np") as file:
+        assert "opt/1/0/mu/layer1/kernel" in set(file.keys())  # adamw's ScaleByAdamState.mu
+    for like in (state, jax.eval_shape(lambda: state)):
+        restored = lm.load(path, like=like)
+        assert jax.tree.structure(restored) == jax.tree.structure(state)
+        assert type(restored["opt"][1][0]) is type(opt_state[1][0])  # named tuples, not dicts
+        for got, expected in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+            assert isinstance(got, jax.Array) and same_bits(got, expected)
+    # training goes on from the restored state as from the original
+    with jax.numpy_dtype_promotion("standard"):
+        _, again = optimizer.update(grads, restored["opt"], restored["variables"]["params"])
+        _, expected = optimizer.update(grads, opt_state, variables["params"])
+    for got, want in zip(jax.tree.leaves(again), jax.tree.leaves(expected), strict=True):
+        assert same_bits(got, want)
+    # without a structure the file reads as nested dicts, indices and fields as keys
+    plain = lm.load(path)
+    assert same_bits(plain["opt"]["1"]["0"]["count"], opt_state[1][0].count)
+    assert plain["data"]["0"].dtype == jnp.int32 and plain["opt"]["0"] == {}  # an EmptyState
+
+
+def test_a_structure_that_does_not_match_the_file_is_one_error(tmp_path):
+    lm.save(tmp_path / "a.safetensors", {"step": jnp.asarray(3), "opt": (jnp.ones(2), jnp.ones(3))})
+    like = {"step": jnp.asarray(0.0), "opt": (jnp.ones(4),), "extra": jnp.ones(1)}
+    with pytest.raises(lm.VariablesError) as error:
+        lm.load(tmp_path / "a.safetensors", like=like)
+    message = str(error.value)
+    assert "a.safetensors got arrays that do not match like=" in message
+    assert "missing (1): extra" in message and "unexpected (1): opt/1" in message
+    assert "wrong shape (1): opt/0: expected (4,), got (2,)" in message
+    assert "wrong dtype (1): step: expected float32, got int32" in message
+
+
+def test_bad_like_and_model_arguments_are_errors(tmp_path):
+    lm.save(tmp_path / "a.safetensors", {"step": jnp.asarray(3)})
+    with pytest.raises(lm.VariablesError, match=r"step: int 3 has no shape and dtype"):
+        lm.load(tmp_path / "a.safetensors", like={"step": 3})
+    with pytest.raises(lm.VariablesError, match=r"the top level: a single array has no name"):
+        lm.load(tmp_path / "a.safetensors", like=jnp.asarray(0))
+    with pytest.raises(TypeError, match=r"a model or like=, not both"):
+        lm.load(tmp_path / "a.safetensors", lm.Dense(2, 2), like={"step": jnp.asarray(0)})
+    with pytest.raises(TypeError, match=r"expected an lm\.Module, got dict; .*pass it as like="):
+        lm.load(tmp_path / "a.safetensors", {"step": jnp.asarray(0)})
+
+
+def test_like_places_arrays_on_its_leaves_shardings(tmp_path):
+    lm.save(tmp_path / "a.safetensors", {"w": jnp.arange(4.0)})
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    like = {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=device)}
+    restored = lm.load(tmp_path / "a.safetensors", like=like)
+    assert restored["w"].sharding == device
+    np.testing.assert_array_equal(restored["w"], np.arange(4.0))
+
+
+# -- what is not a regular file -----------------------------------------------------------
+
+_READ_FIFO = r"""
+import sys
+import lamina as lm
+try:
+    lm.load(sys.argv[1])
+except lm.CheckpointError as error:
+    print(error)
+"""
+
+
+def test_a_named_pipe_is_refused_without_blocking(tmp_path):
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no named pipes on this system")
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    result = subprocess.run(  # a subprocess, so that a regression cannot hang the suite
+        [sys.executable, "-c", _READ_FIFO, str(fifo)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "pipe.safetensors is a named pipe (FIFO), not a regular file" in result.stdout
+
+
+def test_a_device_is_refused(tmp_path):
+    if not os.path.exists("/dev/null"):
+        pytest.skip("no /dev/null")
+    with pytest.raises(lm.CheckpointError, match=r"/dev/null is a character device, not a regular"):
+        lm.load("/dev/null")

@@ -535,3 +535,136 @@ def test_positional_arguments_must_be_arrays():
         quantize(X, "floor", levels=3)
     with pytest.raises(TypeError, match=r"positional argument 0 at \['f'\] is \w+"):
         affine({"f": jnp.sin}, X)
+
+
+# --- closing over differentiated values ---------------------------------------------------
+
+
+def closing(w, where):
+    """A rule scaling by `w`, which it closes over in its forward pass, pullback or both."""
+    forward_w = w if where in ("forward", "both") else 2.0
+    pullback_w = w if where in ("pullback", "both") else 2.0
+    return lm.grad_rule(lambda x: (x * forward_w, lambda g: (g * pullback_w,)))
+
+
+CLOSURES = [
+    ("forward", lambda f: jax.grad(f)),
+    ("both", lambda f: jax.grad(f)),
+    ("both", lambda f: jax.jit(jax.grad(f))),
+    ("both", lambda f: lambda w: jax.jvp(f, (w,), (1.0,))),
+    ("pullback", lambda f: jax.grad(lambda w: f(w, scale_input=True))),
+    ("pullback", lambda f: jax.jit(jax.grad(lambda w: f(w, scale_input=True)))),
+    ("forward", lambda f: jax.grad(lambda w: jnp.sum(jax.vmap(lambda v: f(w, v))(X[:2])))),
+]
+
+
+@pytest.mark.parametrize(("where", "transform"), CLOSURES)
+def test_a_rule_closing_over_a_differentiated_value_is_an_error(where, transform):
+    def loss(w, offset=0.0, scale_input=False):
+        x = X * w if scale_input else X + offset
+        return jnp.sum(closing(w, where)(x))
+
+    with pytest.raises(TypeError, match=r"being differentiated .* closes over it.*positional"):
+        transform(loss)(2.0)
+
+
+def test_a_rule_closing_over_an_outer_differentiated_value_inside_an_inner_one_is_an_error():
+    # Without the check, the outer derivative of the forward's value was silently zero.
+    def inner(w):
+        return jax.value_and_grad(lambda x: jnp.sum(closing(w, "both")(x)))(X)[0]
+
+    for transform in (jax.grad, lambda f: jax.jit(jax.grad(f))):
+        with pytest.raises(TypeError, match=r"grad rule closing.<locals>.<lambda>: the rule"):
+            transform(inner)(2.0)
+
+
+def test_closing_over_values_that_are_not_differentiated_is_fine():
+    x = X[:3]
+
+    def rule_grad(w):
+        return jax.grad(lambda x: jnp.sum(closing(w, "both")(x) ** 2))(x)
+
+    expected = 2 * x * 3.0 * 3.0  # d/dx sum((3x)^2), with the rule's pullback g * 3
+    np.testing.assert_allclose(jax.jit(rule_grad)(3.0), expected, rtol=1e-6)
+    batched = jax.vmap(rule_grad)(jnp.array([1.0, 3.0]))
+    np.testing.assert_allclose(batched[1], expected, rtol=1e-6)
+    np.testing.assert_allclose(batched[0], 2 * x, rtol=1e-6)
+    stopped = jax.grad(lambda w: jnp.sum(closing(jax.lax.stop_gradient(w), "both")(x * w)))
+    np.testing.assert_allclose(stopped(3.0), 3.0 * jnp.sum(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("transform", [jax.grad, lambda f: jax.jit(jax.grad(f))])
+def test_an_integer_output_is_an_error_saying_it_has_no_gradient(transform):
+    @lm.grad_rule
+    def count(x):
+        return jnp.sum(x > 0).astype(jnp.int32), lambda g: (jnp.ones_like(x) * g,)
+
+    with pytest.raises(
+        TypeError,
+        match=r"grad rule .*count returns an integer or bool output, y \(int32\[\]\): such an "
+        r"output has no gradient.*return it as a float \(`y.astype\(jnp.float32\)`\)",
+    ):
+        transform(lambda x: count(x) * 1.0)(X)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_rule_may_close_over_a_batched_value_that_is_not_differentiated(jit):
+    def per_example(x, s):
+        @lm.grad_rule
+        def scaled(x):
+            return x * s, lambda g: (g * s**2,)  # a pullback that is not the true gradient
+
+        return scaled(x).sum()
+
+    xs, ss = jnp.ones((3, 2)), jnp.array([0.0, 1.0, 2.0])
+    grad = jax.grad(lambda xs: jax.vmap(per_example)(xs, ss).sum())
+    expected = jnp.broadcast_to((ss**2)[:, None], (3, 2))
+    np.testing.assert_allclose((jax.jit(grad) if jit else grad)(xs), expected)
+
+
+def test_the_forward_pass_sees_concrete_values_under_an_eager_grad():
+    stored = []
+
+    @lm.grad_rule
+    def clip_ste(x):
+        hi = float(jnp.max(jnp.abs(x)))  # Python control on the values
+        stored.append(x * 2)
+        return jnp.clip(x, -hi / 2, hi / 2), lambda g: (3 * g,)
+
+    x = jnp.array([0.5, 2.0])
+    np.testing.assert_allclose(jax.grad(lambda x: clip_ste(x).sum())(x), [3.0, 3.0])
+    assert not isinstance(stored[-1], jax.core.Tracer)
+    np.testing.assert_allclose(stored[-1], [1.0, 4.0])
+    value, vjp = jax.vjp(clip_ste, x)
+    np.testing.assert_allclose(value, [0.5, 1.0])
+    np.testing.assert_allclose(vjp(jnp.ones(2))[0], [3.0, 3.0])
+
+
+def closing_in(kind, keyword):
+    """A loss whose rule scales by a value traced by a jit or a scan body around the call."""
+
+    def rule(x, s):
+        if keyword:
+            return lm.grad_rule(lambda x, *, s: (x * s, lambda g: (g * s,)))(x, s=s)
+        return lm.grad_rule(lambda x: (x * s, lambda g: (g * s,)))(x)
+
+    if kind == "jit":
+        return jax.jit(lambda x, s: rule(x, s).sum())
+
+    def loss(x, s):
+        step = lambda c, si: (rule(c, si * s), None)  # noqa: E731
+        return jax.lax.scan(step, x, jnp.array([1.0, 2.0]))[0].sum()
+
+    return loss
+
+
+@pytest.mark.parametrize("kind", ["jit", "scan"])
+def test_a_rule_closing_over_a_value_of_a_jit_or_loop_differentiated_outside_it(kind):
+    x = X[:2]
+    with pytest.raises(
+        TypeError, match=r"closes over a value traced by a jax.jit or a loop body.*keyword"
+    ):
+        jax.grad(closing_in(kind, keyword=False))(x, 3.0)
+    # The way the message gives: the value as a keyword argument.
+    expected = 3.0 if kind == "jit" else 3.0 * 6.0  # scan: scales by 3 then by 6
+    np.testing.assert_allclose(jax.grad(closing_in(kind, keyword=True))(x, 3.0), [expected] * 2)

@@ -431,3 +431,118 @@ def test_second_order_and_forward_mode_on_smooth_layers(name):
     variables = draw_variables(init, np.random.default_rng(0))
     inputs = cast_inputs(case.inputs(np.random.default_rng(0), np.float32), jnp.float32)
     lm.check_gradients(apply, variables, None, *inputs, order=2, modes=("fwd", "rev"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-differentiable points: told apart from wrong derivatives by the one-sided differences
+
+
+def kinked(*layers, n_in=3):
+    """``Dense(n_in, 4)`` (zero bias) then `layers`, at zero inputs: the Dense outputs exact 0."""
+    init, apply = lm.transform(lm.Sequential(lm.Dense(n_in, 4), *layers))
+    return apply, init(jax.random.key(0)), jnp.zeros((5, n_in), jnp.float32)
+
+
+NOT_DIFFERENTIABLE = r"the model looks non-differentiable at this point for "
+
+
+def _switch(y):
+    return jnp.where(y > 0, 1.0 + y, y)  # a jump at 0
+
+
+def _tied_max(y):
+    return jnp.where(y[:, :2] >= y[:, 2:], y[:, :2], y[:, 2:])  # max of equal values, by a switch
+
+
+@pytest.mark.parametrize("modes", [("rev",), ("fwd",)])
+@pytest.mark.parametrize("layer", [lm.relu, _switch, _tied_max], ids=["relu", "where", "max"])
+def test_a_non_differentiable_point_is_not_blamed_on_autodiff(layer, modes):
+    apply, variables, x = kinked(layer, lm.Dense(2 if layer is _tied_max else 4, 2))
+    for function in (apply, jax.jit(apply)):
+        with pytest.raises(AssertionError, match=NOT_DIFFERENTIABLE) as info:
+            lm.check_gradients(function, variables, None, x, modes=modes)
+        message = str(info.value)
+        assert "autodiff disagrees" not in message
+        names = message.splitlines()[0].split(" for ")[1].split(" (")[0].split(", ")
+        assert "params/layers_0/bias" in names and "inputs[0]" in names
+        slopes = re.search(
+            r"params/layers_0/bias: along [\w ]+ the slope is (\S+) from above \(x \+ h v\) and "
+            r"(\S+) from below \(x - h v\) by one-sided finite differences; they differ by "
+            rf"\S+, more than autodiff \({modes[0]}: \S+\) differs from the central difference",
+            message,
+        )
+        assert slopes is not None
+        assert abs(float(slopes[1]) - float(slopes[2])) > 0.01
+        assert "Check at another point" in message and "wrt=" in message and "inputs=" in message
+    # The same model at a generic point (no tie within a step: seed 0 has one) passes.
+    generic = jnp.asarray(np.random.default_rng(1).standard_normal((5, 3)), jnp.float32)
+    assert lm.check_gradients(apply, variables, None, generic, modes=modes)[-1] == "inputs[0]"
+
+
+def test_the_one_sided_slopes_of_a_relu_at_zero_are_its_two_sides():
+    """relu(x) at x = 0 along v: slope v from one side, 0 from the other; autodiff says 0."""
+    init, apply = lm.transform(lm.Sequential(lm.relu))
+    with pytest.raises(AssertionError, match=NOT_DIFFERENTIABLE + r"inputs\[0\]") as info:
+        lm.check_gradients(apply, {}, None, jnp.zeros((1,)), loss=lambda y: jnp.sum(y))
+    found = re.search(
+        r"the slope is (\S+) from above .* and (\S+) from below .*autodiff \(rev: (\S+)\) differs "
+        r"from the central difference \((\S+)\)",
+        str(info.value),
+    )
+    above, below, autodiff, central = map(float, found.groups())
+    assert min(above, below) == 0.0 == autodiff and max(above, below) > 0.01
+    assert central == pytest.approx(max(above, below) / 2, rel=1e-3)  # the mean of the two
+
+
+def test_a_kink_within_a_step_of_the_point_is_found_too():
+    """Just above relu's kink the steps below cross it (the direction is 0.126 x, h = 1e-3)."""
+    init, apply = lm.transform(lm.Sequential(lm.relu))
+    x = jnp.full((1,), 1e-4, jnp.float32)
+    with pytest.raises(AssertionError, match=NOT_DIFFERENTIABLE + r"inputs\[0\]"):
+        lm.check_gradients(apply, {}, None, x, loss=lambda y: jnp.sum(y))
+    lm.check_gradients(apply, {}, None, x + 1e-2, loss=lambda y: jnp.sum(y))
+
+
+def test_a_wrong_rule_at_a_smooth_point_is_still_blamed_on_autodiff_beside_a_kink():
+    """A relu at 0 feeding an affine map whose bias rule is wrong: two messages, each its own."""
+    apply, variables, x = kinked(lm.relu, Affine(4, 2, make_affine(fb=0.5)))
+    for function in (apply, jax.jit(apply)):
+        message = failure(lambda f=function: lm.check_gradients(f, variables, None, x))
+        first, *_ = message.splitlines()
+        assert first == (
+            "lm.check_gradients: autodiff disagrees with finite differences for "
+            "params/layers_2/bias:"
+        )
+        assert re.search(
+            NOT_DIFFERENTIABLE + r"params/layers_0/bias, inputs\[0\] \(a relu or abs at 0", message
+        )
+        assert "params/layers_2/kernel" not in message  # its input is relu(0) = 0: nothing to see
+    # wrt= leaves the non-differentiable arrays out; the wrong rule is still caught.
+    mask = {"params": {"layers_0": False, "layers_2": True}}
+    message = failure(lambda: lm.check_gradients(apply, variables, None, x, wrt=mask, inputs=False))
+    assert blamed(message) == ["params/layers_2/bias"] and "non-differentiable" not in message
+
+
+def test_a_wrong_rule_is_not_mistaken_for_a_kink():
+    """Wrong rules (a scale, a sign, a missing term) at smooth points are blamed on autodiff."""
+    for factors in ((1.0, 1.0, 0.5), (1.0, -1.0, 1.0), (1.1, 1.0, 1.0), (0.0, 1.0, 2.0)):
+        apply, variables, x = net(make_affine(*factors))
+        message = failure(lambda a=apply, v=variables, x=x: lm.check_gradients(a, v, None, x))
+        assert "non-differentiable" not in message, message
+
+
+def test_a_kink_of_the_derivative_spoils_central_differences_and_is_said_so():
+    """y * relu(y) at y = 0: autodiff and both one-sided slopes say 0; the central does not."""
+    apply, variables, x = kinked(lambda y: y * lm.relu(y), lm.Dense(4, 2))
+    for order in (1, 2):
+        with pytest.raises(AssertionError, match=NOT_DIFFERENTIABLE) as info:
+            lm.check_gradients(apply, variables, None, x, order=order)
+        assert re.search(
+            r"params/layers_0/bias: along [\w ]+ the slope is 0 from above \(x \+ h v\) and 0 "
+            r"from below \(x - h v\) by one-sided finite differences, as by autodiff \(rev: 0\), "
+            r"but \S+ by central differences: the model's derivative looks non-differentiable",
+            str(info.value),
+        )
+        assert "autodiff disagrees" not in str(info.value)
+    generic = jnp.asarray(np.random.default_rng(1).standard_normal((5, 3)), jnp.float32)
+    lm.check_gradients(apply, variables, None, generic, order=2)

@@ -223,10 +223,10 @@ def test_vmap_broadcasts_keys_by_default_and_splits_them_on_request():
 
 def test_split_rngs_only_selects_streams():
     def body(m, xs):
-        with lm.split_rngs(splits=2, only="other"):
-            return lm.vmap(noise)(xs)
+        return lm.split_rngs(splits=2, only="other")(lm.vmap(noise))(xs)
 
-    out, _, _ = run(body, jnp.zeros((2, 2)), rngs={"dropout": jax.random.key(1)})
+    rngs = {"dropout": jax.random.key(1), "other": jax.random.key(2)}
+    out, _, _ = run(body, jnp.zeros((2, 2)), rngs=rngs)
     assert_close(out[0], out[1])
 
 
@@ -433,8 +433,7 @@ def test_while_loop_with_state_and_split_keys():
             c.calls.value = c.calls + 1
             return c, x + jnp.abs(jax.random.normal(lm.next_rng_key("dropout")))
 
-        with lm.split_rngs(splits=1, only="dropout"):
-            return lm.while_loop(lambda v: v[1] < 3.0, step, (m.c, x))[1]
+        return lm.while_loop(lambda v: v[1] < 3.0, step, (m.c, x), split_rngs="dropout")[1]
 
     out, new, _ = run(body, jnp.zeros(()), c=Counter(), rngs={"dropout": jax.random.key(2)})
     assert float(out) >= 3.0 and float(new["counters"]["c"]["calls"]) >= 1
@@ -597,3 +596,361 @@ def test_stack_checks_its_arguments(kwargs, match):
 def test_stack_block_must_be_a_module():
     with pytest.raises(TypeError, match=r"Stack: block must be an lm.Module"):
         lm.Stack(lambda x: x, 2)
+
+
+# --- stored layouts, splits carried by the call, variables as arguments ----------------------
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_broadcasting_a_stacked_variable_into_its_block_names_the_layout(jit):
+    def body(m, x):
+        axes = lm.StateAxes({...: None})
+        return lm.vmap(lambda b, x: b(x), in_axes=(axes, None), axis_size=4)(m.s.block, x)
+
+    match = (
+        r"lm.vmap: params/s/block/(kernel|bias) is stored as \(4, 4(, 4)?\) .*the module at "
+        r"s/block lies inside the Stack at s \(4 copies\).* axis None \(from StateAxes"
+    )
+    with pytest.raises(ValueError, match=match):
+        run(body, jnp.ones(4), jit=jit, s=lm.Stack(lm.Dense(4, 4), 4))
+
+
+def test_state_axes_mapping_the_stacked_axis_still_works():
+    def body(m, x):
+        axes = lm.StateAxes({"params": 0, ...: None})
+        return lm.vmap(lambda b, x: b(x), in_axes=(axes, None))(m.s.block, x)
+
+    x = jnp.arange(4.0)
+    out, _, v = run(body, x, s=lm.Stack(lm.Dense(4, 4), 4))
+    params = v["params"]["s"]["block"]
+    assert_close(out, np.stack([affine(x, params, i) for i in range(4)]))
+
+
+def test_mapping_the_copies_of_a_stack_passed_whole_is_an_error():
+    def body(m, x):
+        return lm.vmap(lambda s, x: s(x), in_axes=(0, None))(m.s, x)
+
+    with pytest.raises(ValueError, match=r"the module at s runs the stacked copies itself"):
+        run(body, jnp.ones(4), s=lm.Stack(lm.Dense(4, 4), 4))
+
+
+def test_split_rngs_as_a_context_manager_is_refused():
+    def body(m, xs):
+        return lm.vmap(noise)(xs)
+
+    init, apply = lm.transform(Host(body))
+    refused = r"with lm.split_rngs\(splits=3.*lm.vmap\(f, split_rngs"
+    with pytest.raises(TypeError, match=refused), lm.split_rngs(splits=3):
+        apply({}, {"dropout": jax.random.key(1)}, jnp.zeros((3, 2)))
+
+
+@pytest.mark.parametrize(
+    "lift",
+    [
+        lambda f: lm.vmap(f, split_rngs="dropout"),
+        lambda f: lm.vmap(f, split_rngs=True),
+        lambda f: lm.vmap(lm.split_rngs(splits=3, only="dropout")(f)),
+        lambda f: lm.split_rngs(splits=3)(lm.vmap(f)),
+    ],
+    ids=["argument", "all", "inner-decorator", "outer-decorator"],
+)
+def test_a_split_travels_with_its_lifted_call_under_jit(lift):
+    def body(m, xs):
+        split = lift(noise)(xs)
+        plain = lm.vmap(noise)(xs)  # never split: no ambient state reaches it
+        return split, plain
+
+    init, apply = lm.transform(Host(body))
+    step = jax.jit(apply)
+    for seed in (1, 2):  # the second call reuses the trace
+        (split, plain), _ = step({}, {"dropout": jax.random.key(seed)}, jnp.zeros((3, 2)))
+        assert len({tuple(np.asarray(r).tolist()) for r in split}) == 3
+        assert_close(plain[0], plain[1])
+        assert_close(plain[1], plain[2])
+
+
+def test_split_rngs_naming_a_stream_the_call_lacks_is_an_error():
+    def body(m, xs):
+        return lm.vmap(noise, split_rngs="dropout")(xs)
+
+    with pytest.raises(lm.RngError, match=r"'dropout', but this call's rngs have only 'default'"):
+        run(body, jnp.zeros((3, 2)), rngs=jax.random.key(1))
+
+
+def test_split_count_names_the_count_and_the_axis_size():
+    def body(m, xs):
+        return lm.split_rngs(splits=5)(lm.vmap(noise))(xs)
+
+    with pytest.raises(ValueError, match=r"split_rngs\(splits=5\) but the mapped axis has size 3"):
+        run(body, jnp.zeros((3, 2)), rngs={"dropout": jax.random.key(1)})
+
+
+def test_split_rngs_is_refused_where_nothing_iterates_or_nothing_lifts():
+    with pytest.raises(TypeError, match=r"lm.checkpoint runs its function once"):
+        lm.checkpoint(lm.split_rngs(splits=2)(noise))
+    with pytest.raises(TypeError, match=r"noise was decorated with split_rngs.*called directly"):
+        lm.split_rngs(splits=2)(noise)(jnp.zeros(2))
+    with pytest.raises(TypeError, match=r"give the split once"):
+        lm.vmap(lm.split_rngs(splits=2)(noise), split_rngs=True)
+
+
+class Tally(lm.Module):
+    def __init__(self):
+        self.n = lm.State("counters", (), lm.initializers.zeros(), jnp.float32, mutable=True)
+
+
+def bump(v, x=None):
+    v.value = v + 1
+    return x
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "call, expected",
+    [
+        (lambda v, xs: lm.vmap(lambda v, x: (bump(v), x)[1], in_axes=(None, 0))(v, xs), 1.0),
+        (lambda v, xs: lm.scan(lambda v, x: (bump(v, v), x), in_axes=(lm.Carry, 0))(v, xs), 3.0),
+        (lambda v, xs: lm.cond(True, lambda v: bump(v, v + 0), lambda v: v + 0, v), 1.0),
+        (lambda v, xs: lm.fori_loop(0, 4, lambda i, v: bump(v, v), v), 4.0),
+        (lambda v, xs: lm.checkpoint(lambda v, x: bump(v, x))(v, xs), 1.0),
+    ],
+    ids=["vmap", "scan", "cond", "fori_loop", "checkpoint"],
+)
+def test_a_variable_passed_directly_is_written_back(call, expected, jit):
+    def body(m, xs):
+        call(m.t.n, xs)
+        return m.t.n + 0
+
+    _, new, _ = run(body, jnp.ones((3, 2)), jit=jit, t=Tally())
+    assert float(new["counters"]["t"]["n"]) == expected
+
+
+def test_a_module_given_as_0_and_as_state_axes_of_0_is_one_spec():
+    def body(m, x):
+        fn = lm.vmap(lambda a, b, x: a(x) + b(x), in_axes=(0, lm.StateAxes({...: 0}), None))
+        return fn(m.s.block, m.s.block, x)
+
+    x = jnp.arange(4.0)
+    out, _, v = run(body, x, s=lm.Stack(lm.Dense(4, 4), 3))
+    params = v["params"]["s"]["block"]
+    assert_close(out, np.stack([2 * affine(x, params, i) for i in range(3)]))
+
+
+def test_a_variable_given_as_an_axis_spec_is_refused():
+    def body(m, x):
+        return lm.vmap(lambda d, x: d(x), in_axes=(m.t.n, None))(m.d, x)
+
+    with pytest.raises(TypeError, match=r"in_axes holds State, which is not an axis spec"):
+        run(body, jnp.ones(3), t=Tally(), d=lm.Dense(3, 2))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_scan_over_another_axis_moves_inputs_outputs_and_state(jit):
+    class Sums(lm.Module):
+        def __init__(self):
+            self.seen = lm.State("stats", (3, 5), lm.initializers.zeros(), mutable=True)
+
+    def body(m, xs):
+        def step(c, s, x):
+            s.value = s + x
+            return c + x.sum(), x * 2
+
+        scan = lm.scan(step, in_axes=(lm.Carry, 1, 1), out_axes=(lm.Carry, 1))
+        return scan(jnp.zeros(()), m.s.seen, xs)
+
+    xs = jnp.arange(15.0).reshape(3, 5)
+    (total, ys), new, _ = run(body, xs, jit=jit, s=Sums())
+    assert float(total) == float(xs.sum())
+    assert_close(ys, xs * 2)
+    assert_close(new["stats"]["s"]["seen"], xs)
+
+
+# --- per-member shapes, wrapped callables, sizes ---------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("kind", ["vmap", "scan"])
+def test_mapping_a_plain_module_is_an_error_naming_the_shapes(kind, jit):
+    def body(m, x):
+        if kind == "vmap":
+            return lm.vmap(lambda d, x: d(x), in_axes=(0, 0))(m.d, x)
+        return lm.scan(lambda d, c, x: (d(c), x), in_axes=(0, lm.Carry, 0))(m.d, x[0], x)
+
+    match = (
+        rf"lm.{kind}: params/d/(kernel|bias) is stored as \(4,( 4)?\), its declared shape; "
+        rf"the module at d computes with \(4,( 4)?\), but with axis 0 \(from 0\) each "
+        rf"(member|step) would get it as \((4,)?\): it has no axis of copies to map.*"
+        rf"pass the variables themselves as arguments with their axes instead of the module "
+        rf"\(e\.g\. lm\.{kind}\(f, in_axes=\(None, 0, 0\)\)\(self\.mem\.w, self\.mem\.h, x\)"
+    )
+    with pytest.raises(ValueError, match=match):
+        run(body, jnp.ones((4, 4)), jit=jit, d=lm.Dense(4, 4))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_plain_modules_variables_passed_as_arguments_map_their_axes(jit):
+    class Memory(lm.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = lm.Parameter((4,), lm.initializers.normal())
+            self.h = lm.Parameter((3, 4), lm.initializers.normal())
+
+    def body(m, x):
+        return lm.vmap(lambda w, h, x: w * h * x, in_axes=(None, 0, 0))(m.mem.w, m.mem.h, x)
+
+    x = jnp.arange(12.0).reshape(3, 4)
+    y, _, v = run(body, x, jit=jit, mem=Memory())
+    assert_close(y, v["params"]["mem"]["w"][None] * v["params"]["mem"]["h"] * x)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_mapping_a_stack_block_twice_is_an_error(jit):
+    def body(m, x):
+        inner = lambda b, x: lm.vmap(lambda b, x: b(x), in_axes=(0, 0))(b, x)  # noqa: E731
+        return lm.vmap(inner, in_axes=(0, None))(m.s.block, x)
+
+    match = (
+        r"lm.vmap: params/s/block/(kernel|bias) is stored as \(4, 4(, 4)?\) \(stacked axes "
+        r"\(4,\) in front of its declared shape \(4,( 4)?\)\); the module at s/block computes "
+        r"with \(4,( 4)?\), but with axis 0 \(from 0\) each member would get it as \((4,)?\): "
+        r"the transform around this one mapped its stacked copies already"
+    )
+    with pytest.raises(ValueError, match=match):
+        run(body, jnp.ones((4, 4)), jit=jit, s=lm.Stack(lm.Dense(4, 4), 4))
+
+
+def test_a_plain_module_may_be_broadcast_while_a_variable_alone_is_mapped():
+    def body(m, x):
+        def f(d, shift, x):
+            return d(x) + shift
+
+        return lm.vmap(f, in_axes=(None, 0, None))(m.d, m.e.kernel, x)
+
+    x = jnp.arange(4.0)
+    out, _, v = run(body, x, d=lm.Dense(4, 4), e=lm.Dense(3, 1))
+    params, shift = v["params"]["d"], v["params"]["e"]["kernel"]
+    assert shift.shape == (3, 1) and len(set(np.asarray(shift).ravel().tolist())) == 3
+    assert_close(out, np.stack([affine(x, params) + shift[i] for i in range(3)]))
+
+
+class Scaled:
+    """A callable object with attributes named as a lifted function's own."""
+
+    def __init__(self, fn, k):
+        self.fn, self.k, self.split = fn, k, "not a split"
+
+    def __call__(self, x):
+        return self.k * self.fn(x)
+
+
+@pytest.mark.parametrize(
+    "lift",
+    [
+        lambda f: lm.vmap(f),
+        lambda f: lm.vmap(lm.split_rngs(splits=3)(f)),
+        lambda f: lm.split_rngs(splits=3)(lm.vmap(f)),
+        lambda f: lm.checkpoint(f),
+    ],
+    ids=["vmap", "inner-split", "outer-split", "checkpoint"],
+)
+def test_a_lifted_callable_object_keeps_its_own_attributes(lift):
+    def body(m, x):
+        return lift(Scaled(jnp.sin, 10.0))(x)
+
+    x = jnp.arange(3.0)
+    out, _, _ = run(body, x)
+    assert_close(out, 10.0 * jnp.sin(x))
+
+
+def test_two_split_decorators_on_one_function_are_refused():
+    with pytest.raises(TypeError, match=r"noise is already decorated with split_rngs\(splits=3"):
+        lm.split_rngs(splits=4, only="dropout")(lm.split_rngs(splits=3)(noise))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_split_decorated_method_binds_like_a_method(jit):
+    class Noisy(lm.Module):
+        def __init__(self):
+            self.scale = lm.State("consts", (), lm.initializers.constant(2.0))
+
+        @lm.split_rngs(splits=3)
+        def member(self, x):
+            return self.scale * noise(x)
+
+        def __call__(self, x):
+            return lm.vmap(self.member)(x)
+
+    init, apply = lm.transform(Noisy())
+    fn = jax.jit(apply) if jit else apply
+    out, _ = fn(init(jax.random.key(0)), {"dropout": jax.random.key(1)}, jnp.zeros((3, 2)))
+    assert len({tuple(np.asarray(r).tolist()) for r in out}) == 3
+    with pytest.raises(TypeError, match=r"member was decorated with split_rngs.*called directly"):
+        apply_direct = lm.transform(Noisy(), to_callable=lambda m: m.member)[1]
+        apply_direct(init(jax.random.key(0)), {"dropout": jax.random.key(1)}, jnp.zeros(2))
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (
+            lambda m, x: lm.vmap(lambda b, y: b(y), in_axes=(0, 0))(m.s.block, jnp.ones((5, 4))),
+            r"lm.vmap: the inputs it maps disagree .*axis 0 of the argument args\[1\] \(shape "
+            r"\(5, 4\)\) has size 5; axis 0 of params/s/block/bias \(shape \(3, 4\)\) has size 3",
+        ),
+        (
+            lambda m, x: lm.vmap(lambda b: b(x), axis_size=2)(m.s.block),
+            r"lm.vmap: .*disagree .*axis_size=2; axis 0 of params/s/block/bias .* has size 3",
+        ),
+        (
+            lambda m, x: lm.vmap(lambda d: d["a"] + d["b"], in_axes=({"a": 0, "b": 1},))(
+                {"a": jnp.ones((3, 2)), "b": jnp.ones((2, 5))}
+            ),
+            r"axis 0 of the argument args\[0\]\['a'\] .* size 3; axis 1 of the argument "
+            r"args\[0\]\['b'\] \(shape \(2, 5\)\) has size 5",
+        ),
+        (
+            lambda m, x: lm.scan(
+                lambda b, c: b(c), in_axes=(0, lm.Carry), out_axes=lm.Carry, length=2
+            )(m.s.block, x),
+            r"lm.scan: the inputs it scans disagree .*length=2; axis 0 of params/s/block/bias",
+        ),
+        (
+            lambda m, x: lm.scan(lambda b, c, y: (b(c), y), in_axes=(0, lm.Carry, 0))(
+                m.s.block, x, jnp.ones(5)
+            ),
+            r"lm.scan: .*axis 0 of the argument args\[2\] \(shape \(5,\)\) has size 5; axis 0 "
+            r"of params/s/block/bias",
+        ),
+        (
+            lambda m, x: lm.scan(lambda s, c, y: (s(c), y), in_axes=(None, lm.Carry, 3))(
+                m.s, x, jnp.ones((3, 3, 3))
+            ),
+            r"lm.scan: in_axes gives axis 3 for the argument args\[2\], of shape \(3, 3, 3\), "
+            r"which has no axis 3",
+        ),
+    ],
+    ids=["vmap-array", "vmap-axis-size", "vmap-arrays", "scan-length", "scan-array", "scan-axis"],
+)
+def test_mapped_sizes_and_axes_are_checked_naming_the_inputs(call, match):
+    with pytest.raises(ValueError, match=match):
+        run(call, jnp.ones(4), s=lm.Stack(lm.Dense(4, 4), 3))
+
+
+def test_a_bad_write_inside_vmap_states_the_per_member_shape():
+    def body(m, x):
+        def f(v, x):
+            v.value = jnp.ones(3)
+            return x
+
+        return lm.vmap(f, in_axes=(0, 0))(m.c.seen, x)
+
+    class Seen(lm.Module):
+        def __init__(self):
+            self.seen = lm.State("stats", (3,), lm.initializers.zeros(), mutable=True)
+
+    match = (
+        r"cannot write a value of shape \(3,\) to State at stats/c/seen, of shape \(\) in "
+        r"each member of lm.vmap \(declared \(3,\)\)"
+    )
+    with pytest.raises(ValueError, match=match):
+        run(body, jnp.ones(3), c=Seen())

@@ -806,3 +806,36 @@ def test_metoryx_attribute_names_point_to_lamina_names():
         _ = state.col
     with pytest.raises(AttributeError, match=r"no attribute 'reshape' outside init/apply"):
         _ = state.reshape
+
+
+def test_metoryx_apply_takes_to_callable_or_fn():
+    class Twice(mx.Module):
+        def __init__(self):
+            super().__init__()
+            self.dense = mx.Dense(3, 2)
+
+        def __call__(self, x):
+            return self.dense(x)
+
+        def forward(self, x):
+            return 2 * self.dense(x)
+
+    model, x = Twice(), jnp.ones((1, 3))
+    variables = mx.init(model)(jax.random.key(0))
+    plain, _ = mx.apply(model)(variables, None, x)
+    by_name, _ = mx.apply(model, to_callable=lambda m: m.forward)(variables, None, x)
+    by_fn, _ = mx.apply(model, fn=lambda m: m.forward)(variables, None, x)
+    np.testing.assert_allclose(by_name, 2 * plain, rtol=1e-6)
+    np.testing.assert_array_equal(by_fn, by_name)
+    with pytest.raises(TypeError, match="got both fn and to_callable"):
+        mx.apply(model, lambda m: m.forward, to_callable=lambda m: m.forward)
+
+
+def test_a_method_picker_that_is_not_callable_is_an_error_when_built():
+    model = mx.Dense(3, 2)
+    with pytest.raises(TypeError, match=r"lm.apply: to_callable must be a function .* got int 3"):
+        mx.apply(model, to_callable=3)
+    with pytest.raises(TypeError, match=r"lm.apply: fn must be a function .* got str 'forward'"):
+        mx.apply(model, "forward")
+    with pytest.raises(TypeError, match=r"lm.transform: to_callable must be a function .* int 3"):
+        mx.transform(model, 3)

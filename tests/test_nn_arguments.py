@@ -421,9 +421,21 @@ def test_read_only_settings_survive_transform_and_repr():
 def test_sequential_layers_is_an_immutable_tuple():
     """`seq.layers[0] = ...` and `seq.layers.append(...)` were silently dropped."""
     seq = lm.Sequential(lm.Dense(4, 3), lm.relu)
-    assert isinstance(seq.layers, tuple)
-    with pytest.raises(TypeError, match="does not support item assignment"):
+    first = seq.layers_0
+    # a tuple in every way users see it: equal and hashing as one, a tuple to JAX's trees
+    assert isinstance(seq.layers, tuple) and seq.layers == (first, lm.relu)
+    assert hash(seq.layers) == hash((first, lm.relu))
+    assert jax.tree.leaves(seq.layers) == [first, lm.relu]
+    assert seq.layers[:1] == (first,) and (*seq.layers, lm.tanh) == (first, lm.relu, lm.tanh)
+    with pytest.raises(
+        TypeError,
+        match=r"^Sequential\.layers is read-only: .* assign its attribute "
+        r"\(seq\.layers_0 = new_layer\); to add or remove layers, build a new Sequential",
+    ):
         seq.layers[0] = lm.Dense(4, 8)
+    with pytest.raises(TypeError, match=r"Sequential\(\*seq\.layers\[:1\], \*seq\.layers\[2:\]\)"):
+        del seq.layers[1]
+    assert seq.layers_0 is first and seq.num_layers == 2  # nothing changed
     with pytest.raises(AttributeError, match="append"):
         seq.layers.append(lm.Dense(3, 2))
     with pytest.raises(
@@ -614,8 +626,8 @@ def test_batch_norm_training_needs_a_batch_axis():
     """One example's batch statistics normalise it to zeros, silently: an error instead."""
     with pytest.raises(
         ValueError,
-        match=r"^BatchNorm\(size=4\) got an input of shape \(4,\) while training: batch "
-        r"statistics need a batch axis",
+        match=r"^BatchNorm\(size=4\) at the root got an input of shape \(4,\) while training: "
+        r"its batch statistics reduce over no axis",
     ):
         apply_to(lm.BatchNorm(4), jnp.ones(4), True)
     assert apply_to(lm.BatchNorm(4), jnp.ones(4), False)[0].shape == (4,)  # evaluation works

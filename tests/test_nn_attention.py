@@ -5,6 +5,8 @@ per slice or shape), Linen runs under `jax.jit` (one program instead of one per 
 and most tests share one Linen initialisation (`std_params`).
 """
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -346,12 +348,141 @@ def test_decode_under_jit_and_past_max_length(std_params):
         apply(eager_vars, None, X[:, 3:4], decode=True)
     with pytest.raises(ValueError, match=r"cache_index is 2 and this step writes 2 position"):
         decode_in_steps(apply, variables, X, [2, 2])
-    # under jit the index is traced: NaN outputs, cache unchanged, index still advances
-    y, overflowed = step(jit_vars, X[:, 3:4])
-    assert y.shape == (B, 1, 4) and np.isnan(np.asarray(y)).all()
-    for name in ("cached_key", "cached_value"):
-        np.testing.assert_array_equal(overflowed["cache"][name], jit_vars["cache"][name])
-    assert int(overflowed["cache"]["cache_index"]) == 4
+    # under jit the index is traced: the program checks it when it runs, and fails
+    with pytest.raises(
+        jax.errors.JaxRuntimeError,
+        match=r"MultiHeadAttention at the root: decoding past max_length: cache_index is 3 "
+        r"and this step writes 1 position\(s\), but the cache holds max_length=3",
+    ):
+        jax.block_until_ready(step(jit_vars, X[:, 3:4]))
+    two = jax.jit(lambda v, x: apply(v, None, x, decode=True))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"cache_index is 2 and this step"):
+        jax.block_until_ready(two(step(variables, X[:, :2])[1], X[:, 2:4]))
+    # ... a step that fits still runs (the check is in the program, not a stale trace)
+    y, _ = step(variables, X[:, :1])
+    close(y, eager_out[:, :1])
+
+
+def test_decode_past_max_length_under_vmap_and_scan_is_an_error(std_params):
+    mha = ours_mha(**STD, decode_shape=(B, 2))
+    apply, variables = zero_variables(mha, std_params)
+
+    def decode(v, xs):  # xs: (time, batch, 1, features), one step per time
+        def body(v, x):
+            y, v = apply(v, None, x, decode=True)
+            return v, y
+
+        return jax.lax.scan(body, v, xs)
+
+    xs = jnp.moveaxis(X[:, :3, None], 1, 0)  # three steps into a cache of two
+    fitting, ys = jax.jit(decode)(variables, xs[:2])
+    assert int(fitting["cache"]["cache_index"]) == 2 and not np.isnan(np.asarray(ys)).any()
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"decoding past max_length"):
+        jax.block_until_ready(jax.jit(decode)(variables, xs))
+    # vmapped over caches at different positions: one member overflowing fails the call
+    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), variables, fitting)
+    vstep = jax.jit(jax.vmap(lambda v, x: apply(v, None, x, decode=True)))
+    x = jnp.stack([X[:, :1], X[:, :1]])
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"cache_index is 2 and this step"):
+        jax.block_until_ready(vstep(stacked, x))
+    ok = jax.tree.map(lambda a: jnp.stack([a, a]), variables)
+    y, _ = vstep(ok, x)
+    assert not np.isnan(np.asarray(y)).any()
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_decode_with_a_negative_or_huge_cache_index_is_an_error(jit):
+    """A negative index is refused (never clamped to 0); ``index + steps`` never wraps."""
+    apply, variables = _small_decoder()
+    run = jax.jit(apply, static_argnames="decode") if jit else apply
+    error = jax.errors.JaxRuntimeError if jit else ValueError
+    x = jnp.ones((1, 1, 4))
+    for index, match in [
+        (
+            -1,
+            r"MultiHeadAttention at the root: cache_index is -1, but it counts the positions "
+            r"written so far \(0 to max_length=3\).*fresh 'cache' variables",
+        ),
+        (
+            2**31 - 1,
+            r"decoding past max_length: cache_index is 2147483647 and this step writes "
+            r"1 position\(s\)",
+        ),
+    ]:
+        edited = {**variables, "cache": {**variables["cache"], "cache_index": jnp.int32(index)}}
+        with pytest.raises(error, match=match):
+            jax.block_until_ready(run(edited, None, x, decode=True))
+    y, new = run(variables, None, x, decode=True)  # index 0 still runs
+    assert int(new["cache"]["cache_index"]) == 1 and not np.isnan(np.asarray(y)).any()
+
+
+def _small_decoder(**options):
+    init, apply = lm.transform(MultiHeadAttention(2, 4, decode_shape=(1, 3), **options))
+    return apply, init(jax.random.key(0))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_decode_refuses_complex_keys_into_a_real_cache(jit):
+    """dtype=None on complex inputs: the float32 cache cannot hold them (no dropped part)."""
+    apply, variables = _small_decoder(dtype=None)
+    run = jax.jit(apply, static_argnames="decode") if jit else apply
+    x = jnp.full((1, 1, 4), 1 + 1j, jnp.complex64)
+    with pytest.raises(
+        TypeError,
+        match=r"MultiHeadAttention at the root cannot write this step's complex64 keys to its "
+        r"decoding cache, stored as float32 .*Build the layer with dtype=complex64 \(or "
+        r"param_dtype=complex64 with dtype=None\).*imaginary part",
+    ):
+        run(variables, None, x, decode=True)
+    apply, variables = _small_decoder(dtype=None, param_dtype=jnp.complex64)
+    y, new = (jax.jit(apply, static_argnames="decode") if jit else apply)(
+        variables, None, x, decode=True
+    )
+    assert new["cache"]["cached_key"].dtype == jnp.complex64
+    assert float(jnp.max(jnp.abs(new["cache"]["cached_key"][0, 0].imag))) > 0
+    # float32 keys into a bfloat16 cache (dtype=None, bfloat16 variables) are rounded, as declared
+    apply, variables = _small_decoder(dtype=None, param_dtype=jnp.bfloat16)
+    _, new = apply(variables, None, jnp.ones((1, 1, 4)), decode=True)
+    assert new["cache"]["cached_key"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+    "projection, what, declaration, got",
+    [
+        (
+            "query",
+            "kernel",
+            lm.Parameter((4, 2, 1), lm.initializers.ones()),
+            "a Parameter of shape \\(4, 2, 1\\)",
+        ),
+        (
+            "key",
+            "kernel",
+            lm.BatchStat((4, 2, 2), lm.initializers.ones()),
+            "a BatchStat of shape \\(4, 2, 2\\)",
+        ),
+        (
+            "out",
+            "bias",
+            lm.Parameter((1,), lm.initializers.ones()),
+            "a Parameter of shape \\(1,\\)",
+        ),
+    ],
+)
+def test_a_replaced_projection_array_of_another_shape_is_an_error(
+    projection, what, declaration, got
+):
+    """The projections' arrays are read, not called: a changed shape is refused, never used."""
+    mha = MultiHeadAttention(2, 4)
+    setattr(getattr(mha, projection), what, declaration)
+    init, apply = lm.transform(mha)
+    expected = {"query": (4, 2, 2), "key": (4, 2, 2), "out": (4,)}[projection]
+    with pytest.raises(
+        ValueError,
+        match=rf"MultiHeadAttention at the root: its '{projection}' projection's {what} is {got}, "
+        rf"but the layer reads it as a Parameter of shape {re.escape(str(expected))}\. Put back",
+    ):
+        apply(init(jax.random.key(0)), None, jnp.ones((1, 3, 4)))
 
 
 def test_jit_equals_eager(getkey, std_params):
@@ -384,7 +515,9 @@ def test_bfloat16_compute_float32_storage(getkey, std_params):
 
 
 def test_force_fp32_for_softmax_equals_linen(std_params):
-    kwargs = {**STD, "dtype": jnp.bfloat16, "force_fp32_for_softmax": True}
+    # float32 parameters computed in bfloat16 (Linen's default param_dtype)
+    kwargs = {**STD, "dtype": jnp.bfloat16, "param_dtype": jnp.float32}
+    kwargs["force_fp32_for_softmax"] = True
     variables = {"params": std_params}
     with jax.numpy_dtype_promotion("standard"):  # Linen mixes float32 and bfloat16 here
         expected = linen_apply(linen_mha(**kwargs))(variables, X)
@@ -573,7 +706,7 @@ DECODE_ERRORS = [
 @pytest.mark.parametrize(("args", "kwargs", "match"), DECODE_ERRORS)
 def test_decode_errors(built, args, kwargs, match):
     _, (apply, variables) = built
-    with pytest.raises(ValueError, match=r"MultiHeadAttention: " + match):
+    with pytest.raises(ValueError, match=r"MultiHeadAttention(?: at the root)?: " + match):
         apply(variables, None, *args, decode=True, **kwargs)
 
 
@@ -693,3 +826,57 @@ def test_combine_masks_of_different_ranks():
         ValueError, match=r"the masks must have the same rank, got shapes \(1, 1, 2, 2\), \(2, 2\)"
     ):
         combine_masks(ones((1, 1, 2, 2)), ones((2, 2)))
+
+
+class _Doubled(lm.DenseGeneral):
+    def __call__(self, x):
+        return 2.0 * super().__call__(x)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_replaced_projections_are_called_as_modules(std_params, jit):
+    """A module put in place of a projection runs its own call, never read for a kernel."""
+    heads = (STD["num_heads"], STD["qkv_features"] // STD["num_heads"])
+    _, plain = lm.transform(ours_mha(**STD))
+    expected, _ = plain({"params": std_params}, None, X, causal=True)
+
+    mha = ours_mha(**STD)
+    mha.query = lm.DenseGeneral(F, heads)  # Linen's layout: the same variables
+    mha.out = lm.DenseGeneral(heads, STD["out_features"], axis=(-2, -1))
+    _, apply = lm.transform(mha)
+    apply = jax.jit(apply, static_argnames="causal") if jit else apply
+    got, _ = apply({"params": std_params}, None, X, causal=True)
+    close(got, expected)
+
+    # A subclass whose call differs: its output is used (the value projection doubled).
+    mha = ours_mha(**STD)
+    mha.value = _Doubled(F, heads)
+    _, apply = lm.transform(mha)
+    got, _ = (jax.jit(apply) if jit else apply)({"params": std_params}, None, X)
+    doubled = {
+        **std_params,
+        "value": {
+            "kernel": 2 * std_params["value"]["kernel"],
+            "bias": 2 * std_params["value"]["bias"],
+        },
+    }
+    close(got, plain({"params": doubled}, None, X)[0])
+
+
+def test_a_replaced_projection_of_the_wrong_shape_is_an_error(std_params):
+    class Holder(lm.Module):
+        def __init__(self):
+            self.attention = ours_mha(**STD)
+            self.attention.key = lm.DenseGeneral(F, (STD["num_heads"], 2))
+
+        def __call__(self, x):
+            return self.attention(x)
+
+    init, apply = lm.transform(Holder())
+    with pytest.raises(
+        ValueError,
+        match=r"^MultiHeadAttention at attention: its 'key' projection, a DenseGeneral put in "
+        r"place of the layer's own, maps an input of shape \(2, 5, 6\) to \(2, 5, 3, 2\), "
+        r"but the attention needs \(2, 5, 3, 4\)",
+    ):
+        apply(init(jax.random.key(0)), None, X)

@@ -84,3 +84,49 @@ def test_bad_arguments_name_the_cell_and_option():
     variables = lm.transform(cell).init(jax.random.key(0))
     with pytest.raises(ValueError, match=r"SimpleCell\(in_size=3, hidden_size=4\) got a carry"):
         apply(variables, None, jnp.zeros((2, HID)), jnp.zeros((3, IN)))
+
+
+COMPLEX_CASES = {
+    "simple": (lm.SimpleCell, nn.SimpleCell),
+    "gru": (lm.GRUCell, nn.GRUCell),
+    "mgu": (lm.MGUCell, nn.MGUCell),
+    "lstm": (lm.LSTMCell, nn.LSTMCell),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPLEX_CASES))
+def test_complex_inputs_with_the_default_carry_equal_linen(case):
+    """dtype=None follows Linen's promotion: a complex input makes the float32 carry complex."""
+    ours_cls, theirs_cls = COMPLEX_CASES[case]
+    ours, theirs = ours_cls(IN, HID, dtype=None), theirs_cls(HID, dtype=None)
+    keys = jax.random.split(jax.random.key(2), 2)
+    xs = jax.lax.complex(
+        jax.random.normal(keys[0], (B, T, IN)), jax.random.normal(keys[1], (B, T, IN))
+    )
+    carry = ours.initialize_carry((B,))
+    assert {a.dtype for a in jax.tree.leaves(carry)} == {jnp.dtype(jnp.float32)}
+    with jax.numpy_dtype_promotion("standard"):  # Linen promotes complex64 with float32
+        variables = jax.jit(theirs.init)(jax.random.key(0), carry, xs[:, 0])
+        linen_step = jax.jit(theirs.apply)
+        expected_carry, expected = carry, []
+        for t in range(T):
+            expected_carry, y = linen_step(variables, expected_carry, xs[:, t])
+            expected.append(y)
+    expected = jnp.stack(expected, axis=1)
+    assert expected.dtype == jnp.complex64
+
+    def parts(tree):
+        return jax.tree.map(lambda a: (jnp.real(a), jnp.imag(a)), tree)
+
+    _, step = lm.transform(ours)
+    (new_carry, y), _ = step(variables, None, carry, xs[:, 0])
+    assert {a.dtype for a in jax.tree.leaves((new_carry, y))} == {jnp.dtype(jnp.complex64)}
+    assert_close(parts(y), parts(expected[:, 0]), rtol=1e-5, atol=1e-5)
+    # Over a sequence (Linen's RNN fails here: its scan's carry changes dtype), the carry is
+    # complex from the first step.
+    _, apply = lm.transform(lm.RNN(ours_cls(IN, HID, dtype=None), return_carry=True))
+    for run in (apply, jax.jit(apply)):
+        (final, ys), _ = run({"params": {"cell": variables["params"]}}, None, xs)
+        assert ys.dtype == jnp.complex64
+        assert_close(parts(ys), parts(expected), rtol=1e-5, atol=1e-5)
+        assert_close(parts(final), parts(expected_carry), rtol=1e-5, atol=1e-5)

@@ -172,6 +172,11 @@ EINSUM_CASES = [
     ("reordered-bias", (4, 3, 2), "bd, dhk -> khb", (2, 4), {}),
     ("summed-ellipsis-nobias", (4, 3), "...d,dh->h", (2, 5, 4), dict(use_bias=False)),
     ("preferred-type", (4, 3), "bd,dh->bh", (2, 4), dict(preferred_element_type=jnp.float32)),
+    ("kernel-ellipsis", (3, 4, 6), "...d,...dh->...h", (2, 3, 4), {}),
+    ("kernel-ellipsis-broadcast", (1, 4, 6), "...d,...dh->...h", (2, 3, 4), {}),
+    ("kernel-ellipsis-only", (3, 4, 6), "bd,...dh->...h", (3, 4), {}),
+    ("kernel-ellipsis-in-front", (4, 5, 2), "bd,d...->b...", (3, 4), {}),
+    ("kernel-ellipsis-summed", (3, 4, 6), "...d,...dh->h", (2, 3, 4), {}),
 ]
 
 
@@ -207,7 +212,9 @@ def test_einsum_dtype_none_and_complex_match_linen(normal):
             r"must be explicit, with exactly one '->'",
         ),
         (lambda: lm.Einsum((3, 2), "bd,dh,h->bh"), ValueError, r"exactly two operands.*has 2"),
-        (lambda: lm.Einsum((3, 2), "bd,d...->b..."), ValueError, r"no '\.\.\.'"),
+        (lambda: lm.Einsum((3, 2), "bd,dk...h->b..."), ValueError, r"has shape with 2 axes"),
+        (lambda: lm.Einsum((3, 2), "bd,dh->b..."), ValueError, r"or the kernel's have it"),
+        (lambda: lm.Einsum((3, 2)), ValueError, r"einsum_str here, or build the layer with use"),
         (lambda: lm.Einsum((3, 2), "bd,dhk->bh"), ValueError, r"has shape with 2 axes"),
         (lambda: lm.Einsum((3, 2), "bd,dd->bd"), ValueError, r"one distinct letter per axis"),
         (lambda: lm.Einsum((3, 2), "bd,dh->bx"), ValueError, r"output's label 'x' is neither"),
@@ -242,6 +249,35 @@ def test_einsum_input_errors(equation, shape, match):
     init, apply = lm.transform(lm.Einsum((3, 2), equation))
     with pytest.raises(ValueError, match=r"^Einsum\(shape=\(3, 2\), einsum_str=.*" + match):
         apply(init(jax.random.key(0)), None, jnp.ones(shape))
+
+
+def test_einsum_equation_at_call_time_matches_linen(normal):
+    x = normal((2, 3, 4))
+    linen = nn.Einsum((3, 4, 6), use_bias=False)
+    variables = linen.init(jax.random.key(0), x, "...d,...dh->...h")
+    layer = lm.Einsum((3, 4, 6), use_bias=False)
+    apply = lm.transform(layer).apply
+    for equation in ["...d,...dh->...h", "abd,bdh->ah"]:
+        expected = linen.apply(variables, x, equation)
+        y, _ = apply(variables, None, x, equation)
+        assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        jitted = jax.jit(lambda v, x, eq=equation: apply(v, None, x, eq)[0])
+        assert_close(jitted(variables, x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_einsum_equation_given_twice_or_never():
+    built = lm.Einsum((3, 2), "bd,dh->bh")
+    bare = lm.Einsum((3, 2), use_bias=False)
+    with pytest.raises(ValueError, match=r"given both einsum_str when built and at call time"):
+        lm.transform(built).apply(
+            lm.transform(built).init(jax.random.key(0)), None, jnp.ones((2, 3)), "bd,dh->bh"
+        )
+    with pytest.raises(ValueError, match=r"given neither einsum_str when built and at call"):
+        lm.transform(bare).apply(lm.transform(bare).init(jax.random.key(0)), None, jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"its axis 'd' has size 4 but the kernel has 3"):
+        lm.transform(bare).apply(
+            lm.transform(bare).init(jax.random.key(0)), None, jnp.ones((2, 4)), "bd,dh->bh"
+        )
 
 
 def test_lora_dtype_follows_the_base_and_infers_with_it(normal):

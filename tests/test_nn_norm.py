@@ -469,3 +469,120 @@ def test_batch_norm_axis_name_errors(getkey):
         r"jax.vmap\(step, axis_name='data'\)",
     ):
         apply(init(getkey()), None, jnp.ones((2, FEATURES)), True)
+
+
+class _Holder(lm.Module):
+    """A BatchNorm under a path, for the messages."""
+
+    def __init__(self, **options):
+        self.bn = BatchNorm(FEATURES, **options)
+
+    def __call__(self, x, is_training):
+        return self.bn(x, is_training)
+
+
+@pytest.mark.parametrize("shape", [(1, FEATURES), (FEATURES,), (1, 1, FEATURES)])
+@pytest.mark.parametrize("jit", [False, True])
+def test_batch_norm_training_over_one_entry_per_feature_is_an_error(getkey, shape, jit):
+    """Statistics of one entry make every output the bias: an error, eager and under jit."""
+    init, apply = lm.transform(_Holder())
+    variables = init(getkey())
+    run = jax.jit(apply, static_argnums=3) if jit else apply
+    with pytest.raises(
+        ValueError,
+        match=rf"^BatchNorm\(size=6\) at bn got an input of shape {re_shape(shape)} while "
+        r"training: .*1 entry per feature.*every output would be the bias\. Train on batches "
+        r"of at least 2 examples, .*is_training=False.*axis_name=",
+    ):
+        run(variables, None, jnp.ones(shape), True)
+    y, _ = run(variables, None, jnp.ones(shape), False)  # the running averages: fine
+    assert y.shape == shape
+    y, _ = run(variables, None, jnp.arange(2.0 * FEATURES).reshape(2, FEATURES), True)
+    assert_close(y, jnp.concatenate([-jnp.ones((1, FEATURES)), jnp.ones((1, FEATURES))]))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_batch_norm_mask_selecting_fewer_than_two_entries_is_an_error(getkey, jit):
+    """A concrete mask counts: one True per feature makes every output the bias, none NaN."""
+    init, apply = lm.transform(BatchNorm(FEATURES))
+    variables = init(getkey())
+    x = inputs(getkey(), (3, FEATURES))
+
+    def run(mask):
+        step = lambda v, x: apply(v, None, x, True, mask=mask)  # noqa: E731
+        return (jax.jit(step) if jit else step)(variables, x)
+
+    one_row = jnp.array([[True], [False], [False]])
+    with pytest.raises(
+        ValueError,
+        match=r"^BatchNorm\(size=6\) at the root got an input of shape \(3, 6\) while "
+        r"training: its mask selects 1 entry for some feature \(over axes \(0,\)\), so the "
+        r"batch mean is the input itself and every output would be the bias\. Let the mask "
+        r"select at least 2 entries per feature",
+    ):
+        run(one_row)
+    with pytest.raises(ValueError, match=r"mask selects 0 entries .*statistics are NaN"):
+        run(jnp.zeros((3, 1), bool))
+    y, _ = run(jnp.array([[True], [True], [False]]))  # two rows: their statistics
+    kept = x[:2]
+    expected = (x - kept.mean(0, keepdims=True)) / jnp.sqrt(kept.var(0, keepdims=True) + 1e-5)
+    assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_batch_norm_empty_batch_is_an_error(getkey, jit):
+    init, apply = lm.transform(BatchNorm(FEATURES))
+    variables = init(getkey())
+    step = lambda v, x: apply(v, None, x, True)  # noqa: E731
+    with pytest.raises(
+        ValueError,
+        match=r"^BatchNorm\(size=6\) at the root got an input of shape \(0, 6\) while "
+        r"training: the batch is empty \(no entry along the reduced axes \(0,\)\), so its "
+        r"mean and variance are NaN \(0/0\) .*Skip empty batches",
+    ):
+        (jax.jit(step) if jit else step)(variables, jnp.ones((0, FEATURES)))
+
+
+def test_batch_norm_mapped_axis_counts_its_members(getkey):
+    """With axis_name the count is the entries per member times the mapped axis' size."""
+    init, apply = lm.transform(BatchNorm(FEATURES, axis_name="b"))
+    variables = init(getkey())
+    x = inputs(getkey(), (3, FEATURES))
+    step = jax.vmap(lambda x: apply(variables, None, x, True)[0], axis_name="b")
+    with pytest.raises(
+        ValueError,
+        match=r"shape \(6,\) while training: its batch statistics reduce over no axis .*, "
+        r"over 1 member\(s\) of the mapped axis 'b', 1 entry per feature",
+    ):
+        step(x[:1])
+    for run in (step, jax.jit(step)):  # three members of one example each: a batch of three
+        expected = (x - x.mean(0, keepdims=True)) / jnp.sqrt(x.var(0, keepdims=True) + 1e-5)
+        assert_close(run(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def re_shape(shape):
+    return str(shape).replace("(", r"\(").replace(")", r"\)")
+
+
+def test_batch_norm_axis_name_over_single_examples_in_lm_vmap(getkey):
+    """Inside lm.vmap with axis_name, single examples are a batch over the mapped axis."""
+
+    class Mapped(lm.Module):
+        def __init__(self):
+            self.bn = BatchNorm(FEATURES, momentum=0.9, axis_name="batch")
+
+        def __call__(self, x):
+            return lm.vmap(lambda bn, x: bn(x, True), in_axes=(None, 0), axis_name="batch")(
+                self.bn, x
+            )
+
+    x = inputs(getkey(), (5, FEATURES))
+    init, apply = lm.transform(Mapped())
+    variables = init(getkey())
+    _, whole = lm.transform(BatchNorm(FEATURES, momentum=0.9))
+    inner = {"params": variables["params"]["bn"], "batch_stats": variables["batch_stats"]["bn"]}
+    expected, expected_new = whole(inner, None, x, True)
+    for run in (apply, jax.jit(apply)):
+        y, new = run(variables, None, x)
+        assert_close(y, expected)
+        assert_close(new["batch_stats"]["bn"], expected_new["batch_stats"])

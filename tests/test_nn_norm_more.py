@@ -544,6 +544,49 @@ def test_weight_norm_matches_linen(linen, ours, shape, options):
     assert_close(gx, gx_l)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("wrapper", ["spectral", "weight"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_wrapped_half_precision_layer_matches_linen(dtype, wrapper, jit):
+    """The wrapper's float32 normalised kernel reaches a half-precision layer as Linen's does.
+
+    The layer computes with the kernel in its own dtype (the wrapper casts explicitly); the
+    default ``dtype=float32`` of the wrapper was refused as a narrowing substitution.
+    """
+    x = data((3, 5))
+    layer = nn.Dense(4, dtype=dtype, param_dtype=dtype)
+    if wrapper == "spectral":
+        module, kwargs = LinenSpectral(layer, {"n_steps": 2}), {"update_stats": True}
+        ours = lm.SpectralNorm(lm.Dense(5, 4, dtype=dtype), n_steps=2)
+        to_ours = spectral_to_ours
+    else:
+        module, kwargs = LinenWeightNorm(layer, {}), {}
+        ours = lm.WeightNorm(lm.Dense(5, 4, dtype=dtype))
+        to_ours = weight_norm_to_ours
+    variables = linen_init(module, x, **kwargs)
+    # the layer's parameters in its dtype (Linen's init stores the wrapper's float32 kernel)
+    variables["params"]["layer"] = jax.tree.map(
+        lambda a: a.astype(dtype), variables["params"]["layer"]
+    )
+    with jax.numpy_dtype_promotion("standard"):
+        y_l, new_l = module.apply(variables, x, mutable=True, **kwargs)
+    ours_vars = to_ours(variables, "layer")
+    assert layout(lm.transform(ours).init(jax.random.key(0))) == layout(ours_vars)
+    apply = lm.transform(ours).apply
+    y, new = (jax.jit(apply, static_argnames="update_stats") if jit else apply)(
+        ours_vars, None, x, **kwargs
+    )
+    assert y.dtype == y_l.dtype == dtype
+    # within a rounding of the layer's dtype (XLA may keep bfloat16 intermediates wider)
+    eps = float(jnp.finfo(dtype).eps)
+    np.testing.assert_allclose(
+        np.asarray(y, np.float32), np.asarray(y_l, np.float32), rtol=2 * eps, atol=2 * eps
+    )
+    if wrapper == "spectral":  # the power iteration's state, float32 in both
+        expected = to_ours({**variables, **new_l}, "layer")["batch_stats"]
+        assert_close(new["batch_stats"], expected)
+
+
 def test_weight_norm_errors():
     with pytest.raises(
         ValueError,
@@ -653,11 +696,21 @@ class Substituting(lm.Module):
             r"the value substituted for Parameter at params/layer/kernel is complex64, but the "
             r"variable is read as float32",
         ),
+        (
+            lambda m: {m.layer.kernel: jnp.full((2, 2), 1e5, jnp.float32)},
+            TypeError,
+            r"the value substituted for Parameter at params/layer/kernel is float32, but the "
+            r"variable is read as float16 and stored as float16: float32 is wider than float16"
+            r".*x\.astype\(jnp\.float16\)",
+        ),
     ],
-    ids=["mutable", "shape", "complex"],
+    ids=["mutable", "shape", "complex", "narrowing"],
 )
 def test_substitution_errors(replace, error, match):
-    init, apply = lm.transform(Substituting(replace))
+    model = Substituting(replace)
+    if "float16" in match:  # user code's substitutions stay widening-only
+        model.layer = lm.Dense(2, 2, dtype=jnp.float16)
+    init, apply = lm.transform(model)
     with pytest.raises(error, match=r"Substituting: " + match):
         apply(init(jax.random.key(0)), None, jnp.ones((1, 2)))
 
@@ -821,7 +874,11 @@ def test_construction_errors(make, error, match):
             jnp.ones((3, 4)),
             {"is_training": True},
             ValueError,
-            r"statistics need a batch axis",
+            r"BatchNorm\(size=\(3, 4\), axis=\(0, 1\)\) at the root got an input of shape "
+            r"\(3, 4\) while training: its batch statistics "
+            r"reduce over no axis .*Train on batches of at least 2 examples, normalise with the "
+            r"running averages \(is_training=False, .*or average the statistics over a mapped "
+            r"axis \(axis_name=, ",
         ),
     ],
     ids=[

@@ -514,6 +514,242 @@ def test_rnn_bfloat16_throughout(rng):
     np.testing.assert_allclose(got[1].astype(jnp.float32), reference[1], atol=5e-2)
 
 
+# ------------------------------------------------- the compiled step only where it is the cell's
+
+
+def gru_by_hand(params, h, x, hz=None):
+    """Linen's GRU step from the variables (`hz` replaces the ``hz`` gate's transform)."""
+
+    def gate(name, v):
+        p = params[name]
+        return v @ p["kernel"] + (p["bias"][None] if "bias" in p else 0.0)
+
+    r = jax.nn.sigmoid(gate("ir", x) + gate("hr", h))
+    z = jax.nn.sigmoid(gate("iz", x) + (gate("hz", h) if hz is None else hz(h)))
+    n = jnp.tanh(gate("in", x) + r * gate("hn", h))
+    return (1.0 - z) * n + z * h
+
+
+def loop_over_cell(cell, params, x, h):
+    """The cell's own `__call__` at every step, one `apply` per step: outputs (B, T, HID)."""
+    _, apply = lm.transform(cell)
+    ys = []
+    for t in range(x.shape[1]):
+        (h, y), _ = apply({"params": params}, None, h, x[:, t])
+        ys.append(y)
+    return jnp.stack(ys, axis=1)
+
+
+class HalvedGRUCell(GRUCell):
+    """A subclass whose `__call__` changes the output: RNN must run it, not the GRU kernel."""
+
+    def __call__(self, carry, x):
+        h, y = super().__call__(carry, x)
+        return h * 0.5, y * 0.5
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_rnn_runs_a_cell_subclass_own_call(rng, jit):
+    x = sequences(rng)
+    variables = linen_rnn_variables("gru")
+    _, apply = lm.transform(RNN(HalvedGRUCell(IN, HID)))
+    got, _ = (jax.jit(apply) if jit else apply)(variables, None, x)
+    cell_params = variables["params"]["cell"]
+    expected = loop_over_cell(HalvedGRUCell(IN, HID), cell_params, x, jnp.zeros((B, HID)))
+    assert_close(got, expected)
+    h, ys = jnp.zeros((B, HID)), []
+    for t in range(T):
+        h = 0.5 * gru_by_hand(cell_params, h, x[:, t])
+        ys.append(h)
+    assert_close(got, jnp.stack(ys, axis=1))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_rnn_records_what_its_cell_sows_with_a_time_axis(rng, jit):
+    class Sowing(GRUCell):
+        def __call__(self, carry, x):
+            h, y = super().__call__(carry, x)
+            lm.sow("h", h)
+            return h, y
+
+    x = sequences(rng)
+    variables = linen_rnn_variables("gru")
+    _, apply = lm.transform(RNN(Sowing(IN, HID)))
+    apply = jax.jit(apply) if jit else apply
+    ys, new = apply({**variables, "intermediates": {}}, None, x)
+    (recorded,) = new["intermediates"]["cell"]["h"]
+    assert recorded.shape == (T, B, HID)  # the steps first, in the order they ran
+    assert_close(recorded, jnp.moveaxis(ys, 1, 0))
+    assert "intermediates" not in apply(variables, None, x)[1]  # not asked: nothing
+
+
+def test_rnn_capture_intermediates_sees_the_cell_and_its_gates(rng):
+    x = sequences(rng)
+    variables = linen_rnn_variables("gru")
+    _, apply = lm.transform(RNN(ours("gru")))
+    ys, new = jax.jit(lm.capture_intermediates(apply))(variables, None, x)
+    captured = new["intermediates"]["cell"]
+    (call,) = captured["__call__"]
+    assert_close(call[1], jnp.moveaxis(ys, 1, 0))  # (h, y) of each step, steps first
+    (hz,) = captured["hz"]["__call__"]
+    assert hz.shape == (T, B, HID)
+    assert_close(ys, apply(variables, None, x)[0])
+
+
+def lora_and_unbiased_gru():
+    cell = GRUCell(IN, HID)
+    cell.hz = lm.LoRA(cell.hz, 2, b_init=lm.initializers.normal(1.0))
+    cell.ir = lm.Dense(IN, HID, use_bias=False)
+    return cell
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_cells_with_a_lora_gate_or_an_unbiased_gate_run_their_layers(rng, jit):
+    x = sequences(rng)
+    cell = lora_and_unbiased_gru()
+    init, apply = lm.transform(RNN(cell))
+    variables = init(jax.random.key(0))
+    params = variables["params"]["cell"]
+    assert "bias" not in params["ir"] and set(params["hz"]) == {"base", "lora_a", "lora_b"}
+    got, _ = (jax.jit(apply) if jit else apply)(variables, None, x)
+
+    lora = params["hz"]
+    by_hand = {**params, "hz": lora["base"]}
+
+    def hz(h):
+        return h @ lora["base"]["kernel"] + h @ lora["lora_a"] @ lora["lora_b"] * (2 / 2)
+
+    h, ys = jnp.zeros((B, HID)), []
+    for t in range(T):
+        h = gru_by_hand(by_hand, h, x[:, t], hz=hz)
+        ys.append(h)
+    assert_close(got, jnp.stack(ys, axis=1), rtol=1e-5, atol=1e-5)
+    assert_close(got, loop_over_cell(lora_and_unbiased_gru(), params, x, jnp.zeros((B, HID))))
+
+
+def test_compiled_step_only_for_an_exact_built_in_cell_with_untouched_gates():
+    assert GRUCell(IN, HID).uses_compiled_step()
+    assert LSTMCell(IN, HID).uses_compiled_step()
+    assert not HalvedGRUCell(IN, HID).uses_compiled_step()
+    assert not lora_and_unbiased_gru().uses_compiled_step()
+    changed = {
+        "a bias": lm.Dense(HID, HID),
+        "a precision": lm.Dense(HID, HID, use_bias=False, precision="highest"),
+        "a dtype": lm.Dense(HID, HID, use_bias=False, dtype=jnp.bfloat16, param_dtype="float32"),
+        "a subclass": type("MyDense", (lm.Dense,), {})(HID, HID, use_bias=False),
+    }
+    for what, layer in changed.items():
+        cell = GRUCell(IN, HID)
+        cell.hr = layer
+        assert not cell.uses_compiled_step(), what
+
+
+ALL_CELLS = [lm.LSTMCell, lm.OptimizedLSTMCell, lm.GRUCell, lm.MGUCell, lm.SimpleCell]
+GATE_WITHOUT_BIAS = {
+    lm.LSTMCell: "ii",
+    lm.OptimizedLSTMCell: "ii",
+    lm.GRUCell: "hr",
+    lm.MGUCell: "hf",
+    lm.SimpleCell: "h",
+}
+GATE_WITH_BIAS = {
+    lm.LSTMCell: "hi",
+    lm.OptimizedLSTMCell: "hf",
+    lm.GRUCell: "ir",
+    lm.MGUCell: "in",
+    lm.SimpleCell: "i",
+}
+
+
+def _rnn_outputs(cell, x, jit, **kwargs):
+    init, apply = lm.transform(RNN(cell))
+    variables = init(jax.random.key(0))
+    run = functools.partial(apply, **kwargs)
+    return (jax.jit(run) if jit else run)(variables, None, x)[0]
+
+
+def _subclass(cls):
+    return type("My" + cls.__name__, (cls,), {})
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("cls", ALL_CELLS, ids=lambda c: c.__name__)
+def test_a_bias_added_to_or_removed_from_a_gate_is_computed(cls, jit):
+    """The RNN's compiled step reads the gates' actual `bias`, not their `use_bias` setting."""
+    x = jax.random.normal(jax.random.key(1), (2, 5, IN))
+    added, removed = GATE_WITHOUT_BIAS[cls], GATE_WITH_BIAS[cls]
+
+    def edited(kind, value):
+        cell = kind(IN, HID)
+        getattr(cell, added).bias = lm.Parameter((HID,), lm.initializers.constant(value))
+        getattr(cell, removed).bias = None
+        return cell
+
+    for value in (0.0, 3.0):
+        assert not edited(cls, value).uses_compiled_step()
+        got = _rnn_outputs(edited(cls, value), x, jit)
+        expected = _rnn_outputs(edited(_subclass(cls), value), x, jit)  # the cell's own code
+        assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    with_zero, with_three = (_rnn_outputs(edited(cls, v), x, jit) for v in (0.0, 3.0))
+    assert float(jnp.max(jnp.abs(with_zero - with_three))) > 1e-2
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "kernel shape",
+        "kernel dtype",
+        "kernel kind",
+        "bias shape",
+    ],
+)
+def test_compiled_step_not_used_for_a_replaced_gate_array(edit):
+    cell = GRUCell(IN, HID)
+    replacement = {
+        "kernel shape": ("kernel", lm.Parameter((HID, 1), lm.initializers.ones())),
+        "kernel dtype": ("kernel", lm.Parameter((HID, HID), lm.initializers.ones(), jnp.bfloat16)),
+        "kernel kind": ("kernel", lm.BatchStat((HID, HID), lm.initializers.ones())),
+        "bias shape": ("bias", lm.Parameter((1,), lm.initializers.ones())),
+    }[edit]
+    setattr(cell.hn, *replacement)
+    assert not cell.uses_compiled_step()
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("cls", ALL_CELLS, ids=lambda c: c.__name__)
+def test_compiled_step_computes_each_gate_in_its_dense_dtype(cls, jit):
+    """dtype=None, bfloat16 variables, float32 input: the input gates compute in float32 and
+    the hidden ones in bfloat16 (the carry's and kernels' dtype), each as its `Dense` does
+    (and Linen's: each gate a ``Dense(dtype=None)`` promoting its own input and variables);
+    the compiled step is bit for bit the cell's own call."""
+    x = jax.random.normal(jax.random.key(1), (2, 5, IN))
+    kwargs = {"dtype": None, "param_dtype": jnp.bfloat16}
+    got = _rnn_outputs(cls(IN, HID, **kwargs), x, jit, return_carry=True)
+    expected = _rnn_outputs(_subclass(cls)(IN, HID, **kwargs), x, jit, return_carry=True)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_conv_lstm_cell_with_a_lora_convolution_runs_it(jit):
+    """ConvLSTMCell calls its convolutions, whatever they are (no read of their kernels)."""
+    cell = lm.ConvLSTMCell(IN, HID, kernel_size=(3,))
+    cell.ih = lm.LoRA(cell.ih, 2, b_init=lm.initializers.normal(1.0))
+    init, apply = lm.transform(RNN(cell))
+    variables = init(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (B, T, 5, IN))  # (batch, time, width, channels)
+    got, _ = (jax.jit(apply) if jit else apply)(variables, None, x)
+
+    params = variables["params"]["cell"]
+    lora = params["ih"]
+    update = jnp.einsum("kir,ro->kio", lora["lora_a"], lora["lora_b"]) * (2 / 2)
+    merged = {**params, "ih": {**lora["base"], "kernel": lora["base"]["kernel"] + update}}
+    _, plain = lm.transform(RNN(lm.ConvLSTMCell(IN, HID, kernel_size=(3,))))
+    expected, _ = plain({"params": {"cell": merged}}, None, x)
+    assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- errors
 
 

@@ -100,16 +100,17 @@ def test_slots_of_follows_reachability_not_paths():
 
 
 def test_stored_axes_in_front_of_the_declared_shape(getkey):
-    model = lm.Dense(3, 2)
-    model.kernel._lamina_axes = (4,)  # how a Stack of 4 will store its kernel
+    model = lm.Stack(lm.Dense(3, 3), 4)  # the plan stores the block's kernel once per copy
     init, apply = lm.transform(model)
     variables = init(getkey())
-    kernels = variables["params"]["kernel"]
-    assert kernels.shape == (4, 3, 2)
+    kernels = variables["params"]["block"]["kernel"]
+    assert kernels.shape == (4, 3, 3)
     assert not np.allclose(kernels[0], kernels[1])  # one draw per copy
-    with pytest.raises(lm.VariablesError, match=r"params/kernel: expected \(4, 3, 2\), got"):
-        apply({"params": {"kernel": jnp.ones((3, 2)), "bias": jnp.ones(2)}}, None, jnp.ones(3))
-    assert lm.summary(model).rows[0].shape == (4, 3, 2)  # what is stored
+    one_copy = {"params": {"block": {"kernel": jnp.ones((3, 3)), "bias": jnp.ones((4, 3))}}}
+    with pytest.raises(lm.VariablesError, match=r"params/block/kernel: expected \(4, 3, 3\)"):
+        apply(one_copy, None, jnp.ones(3))
+    assert lm.summary(model).rows[0].shape == (4, 3, 3)  # what is stored
+    assert model.block.kernel.shape == (3, 3)  # the declaration is left as declared
 
 
 def test_summary_counts_bytes_of_the_stored_dtype():

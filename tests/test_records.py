@@ -1,5 +1,7 @@
 """lm.sow, lm.perturb, lm.capture_intermediates and lm.probe (issue 11)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -361,7 +363,7 @@ def test_checkpoint_passes_records_through():
     assert_close(result.gradients["block/h"], jnp.ones_like(h))
 
 
-def test_recording_inside_cond_or_an_rnn_cell_is_an_error():
+def test_recording_inside_cond_is_an_error():
     class Branchy(lm.Module):
         def __init__(self):
             self.block = Block()
@@ -375,18 +377,7 @@ def test_recording_inside_cond_or_an_rnn_cell_is_an_error():
         apply({**variables, "intermediates": {}}, None, jnp.ones((2, 4)))
     out, new = apply(variables, None, jnp.ones((2, 4)))  # without the request: fine
     assert out.shape == (2, 4)
-
-    class Cell(lm.Module):
-        def __call__(self, carry, x):
-            lm.sow("x", x)
-            return carry + x, carry
-
-        def initialize_carry(self, batch_shape):
-            return jnp.zeros((*batch_shape, 2))
-
-    rnn_apply = lm.transform(lm.RNN(Cell())).apply
-    with pytest.raises(lm.VariablesError, match=r"intermediates/cell/x inside"):
-        rnn_apply({"intermediates": {}}, None, jnp.ones((1, 3, 2)))
+    # (Records inside an RNN's cell come out with a time axis: tests/test_nn_recurrent.py.)
 
 
 def test_probe_takes_python_flags_and_reuses_its_program():
@@ -414,3 +405,279 @@ def test_probe_takes_python_flags_and_reuses_its_program():
     )  # keywords, and a float flag: constants of the program
     assert_close(result.gradients["h"], 2 * jnp.ones((2, 3)))
     assert len(traces) > first
+
+
+# --- which module records -------------------------------------------------------------------
+
+
+class Tap(lm.Module):
+    """Calls the function its parent hands it on its dense layer's output."""
+
+    def __init__(self):
+        self.dense = lm.Dense(4, 4)
+
+    def __call__(self, x, hook):
+        return hook(jnp.tanh(self.dense(x)))
+
+
+class HandsAClosure(lm.Module):
+    """Defines a recording closure and hands it to its child; the closure uses `self` or not."""
+
+    def __init__(self, uses_self, child=None):
+        self.child = Tap() if child is None else child
+        self.uses_self = uses_self
+        self.gain = 2.0
+
+    def hook(self):
+        if self.uses_self:
+
+            def hook(h):
+                lm.sow("h", h * self.gain)
+                return lm.perturb("h", h)
+
+        else:
+
+            def hook(h):
+                lm.sow("h", h * 2.0)
+                return lm.perturb("h", h)
+
+        return hook
+
+    def __call__(self, x):
+        return self.child(x, self.hook())
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("uses_self", [False, True])
+def test_a_closure_called_by_a_child_records_under_the_child(uses_self, jit):
+    init, apply = lm.transform(HandsAClosure(uses_self))
+    variables = init(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+    run = jax.jit(apply) if jit else apply
+    dense = variables["params"]["child"]["dense"]
+    h = jnp.tanh(x @ dense["kernel"] + dense["bias"][None])
+    given = {**variables, "intermediates": {}, "perturbations": {}}
+    y, new = run(given, None, x)
+    assert jax.tree.map(jnp.shape, new["intermediates"]) == {"child": {"h": ((2, 4),)}}
+    assert_close(new["intermediates"]["child"]["h"][0], 2 * h)
+    assert_close(y, h)
+    # The perturbation goes back in under the child's path and is added there.
+    dh = jnp.full((2, 4), 0.5)
+    y, _ = run({**variables, "perturbations": {"child": {"h": dh}}}, None, x)
+    assert_close(y, h + dh)
+
+
+def decorated(method):
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        return method(*args, **kwargs)
+
+    return wrapper
+
+
+class Encoder(lm.Module):
+    """Records in methods other than __call__: a method, a property, a decorated method."""
+
+    def __init__(self):
+        self.dense = lm.Dense(3, 3)
+
+    def encode(this, x):  # the first parameter need not be called `self`
+        lm.sow("encoded", this.dense(x))
+        return this.dense(x)
+
+    @property
+    def scale(self):
+        lm.sow("scale", jnp.asarray(3.0))
+        return 3.0
+
+    @staticmethod
+    def double(x):
+        lm.sow("doubled", 2 * x)  # no module here: the caller's module records
+        return 2 * x
+
+    @decorated
+    def decode(self, x):
+        lm.sow("decoded", x + 1)
+        return x + 1
+
+
+class Tapping:
+    """A base class that is not a module: its methods are the module's methods."""
+
+    def tap(self, x):
+        lm.sow("tapped", x)
+        return x
+
+
+class Autoencoder(lm.Module):
+    def __init__(self):
+        self.encoder = TappingEncoder()
+
+    def __call__(self, x):
+        e = self.encoder.encode(x) * self.encoder.scale
+        return self.encoder.tap(self.encoder.decode(self.encoder.double(e)))
+
+
+class TappingEncoder(Tapping, Encoder):
+    pass
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_methods_other_than_call_record_under_their_module(jit):
+    init, apply = lm.transform(Autoencoder())
+    variables = init(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 3))
+    run = jax.jit(apply) if jit else apply
+    y, new = run({**variables, "intermediates": {}}, None, x)
+    records = new["intermediates"]
+    dense = variables["params"]["encoder"]["dense"]
+    e = x @ dense["kernel"] + dense["bias"][None]
+    assert sorted(records) == ["doubled", "encoder"]
+    assert sorted(records["encoder"]) == ["decoded", "encoded", "scale", "tapped"]
+    assert_close(records["encoder"]["encoded"][0], e)
+    assert_close(records["encoder"]["scale"][0], 3.0)
+    assert_close(records["doubled"][0], 6 * e)
+    assert_close(records["encoder"]["decoded"][0], 6 * e + 1)
+    assert_close(records["encoder"]["tapped"][0], 6 * e + 1)
+    assert_close(y, 6 * e + 1)
+
+
+def late_methods():
+    """A child whose __call__ and `extra` are assigned to its class after it was created."""
+
+    class Child(lm.Module):
+        def __init__(self):
+            self.dense = lm.Dense(2, 2)
+
+        def __call__(self, x):
+            return self.dense(x)
+
+    class Parent(lm.Module):
+        def __init__(self):
+            self.child = Child()
+
+        def __call__(self, x):
+            return self.child.extra(self.child(x))
+
+    def traced_call(module, x):
+        y = module.dense(x)
+        lm.sow("out", y)
+        return 2 * y
+
+    Child.__call__ = traced_call
+    Child.extra = lambda module, x: (lm.sow("extra", x + 1), x + 1)[1]
+    return Parent()
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_methods_assigned_to_the_class_later_record_under_their_module(jit):
+    init, apply = lm.transform(late_methods())
+    variables = init(jax.random.key(0))
+    x = jnp.array([1.0, -2.0])
+    run = jax.jit(apply) if jit else apply
+    y, new = run({**variables, "intermediates": {}}, None, x)
+    dense = variables["params"]["child"]["dense"]
+    h = x @ dense["kernel"] + dense["bias"]
+    assert jax.tree.map(jnp.shape, new["intermediates"]) == {
+        "child": {"out": ((2,),), "extra": ((2,),)}
+    }
+    assert_close(new["intermediates"]["child"]["out"][0], h)
+    assert_close(new["intermediates"]["child"]["extra"][0], 2 * h + 1)
+    assert_close(y, 2 * h + 1)
+
+
+class CallingMixin:
+    """A base class that is not a module, giving its module a __call__."""
+
+    def __call__(self, x):
+        return self.dense(x) * 3
+
+
+class MixedIn(CallingMixin, lm.Module):
+    def __init__(self):
+        self.dense = lm.Dense(2, 2)
+
+
+class DecoratedCall(lm.Module):
+    def __init__(self):
+        self.dense = lm.Dense(2, 2)
+
+    @decorated
+    def __call__(self, x):
+        return self.dense(x) - 1
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_capture_records_every_kind_of_module_call(jit):
+    """A __call__ assigned later, inherited from a base that is not a module, or decorated."""
+    model = lm.Sequential(late_methods(), MixedIn(), DecoratedCall())
+    init, apply = lm.transform(model)
+    variables = init(jax.random.key(0))
+    x = jnp.array([1.0, -2.0])
+    run = lm.capture_intermediates(apply, lambda path, m: len(path) == 1)
+    y, new = (jax.jit(run) if jit else run)(variables, None, x)
+    params = variables["params"]
+    outputs = []
+    for path, scale, shift in ((("child", "dense"), 2, 1), (("dense",), 3, 0), (("dense",), 1, -1)):
+        dense = params[f"layers_{len(outputs)}"]
+        for name in path:
+            dense = dense[name]
+        x = scale * (x @ dense["kernel"] + dense["bias"]) + shift
+        outputs.append(x)
+    records = new["intermediates"]
+    assert sorted(records) == ["layers_0", "layers_1", "layers_2"]
+    for index, expected in enumerate(outputs):
+        (out,) = records[f"layers_{index}"]["__call__"]
+        assert_close(out, expected)
+    assert records["layers_0"]["child"]["out"][0].shape == (2,)  # its own sow
+    assert_close(y, outputs[-1])
+
+
+class Ensemble(lm.Module):
+    """Runs stacked Taps under lm.vmap or lm.scan, handing them its own recording closure."""
+
+    def __init__(self, lifted):
+        self.members = lm.Stack(Tap(), 2)
+        self.lifted = lifted
+
+    def __call__(self, x):
+        def hook(h):
+            lm.sow("h", h * self.lifted.count("a"))  # uses self: still the child's record
+            return h
+
+        if self.lifted == "vmap":
+            return lm.vmap(lambda m, x: m(x, hook), in_axes=(0, None))(self.members.block, x)
+        if self.lifted == "scan":
+            step = lm.scan(lambda m, c: m(c, hook), in_axes=(0, lm.Carry), out_axes=lm.Carry)
+            return step(self.members.block, x)
+        return self.members(x, hook)  # Stack: a scan
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("lifted", ["vmap", "scan", "stack"])
+def test_a_closure_called_by_a_child_inside_a_lifted_transform_records_under_it(lifted, jit):
+    init, apply = lm.transform(Ensemble(lifted))
+    variables = init(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+    run = jax.jit(apply) if jit else apply
+    y, new = run({**variables, "intermediates": {}}, None, x)
+    gain = lifted.count("a")
+    (hs,) = new["intermediates"]["members"]["block"]["h"]
+    assert set(new["intermediates"]) == {"members"}
+    params = variables["params"]["members"]["block"]["dense"]
+    h, steps = x, []
+    for i in range(2):  # vmap: each member on x; scan and Stack: one after the other
+        h = jnp.tanh((x if lifted == "vmap" else h) @ params["kernel"][i] + params["bias"][i][None])
+        steps.append(h)
+    assert_close(hs, gain * jnp.stack(steps))
+    assert_close(y, jnp.stack(steps) if lifted == "vmap" else h)
+
+
+def test_recording_outside_any_method_of_the_model_is_an_error():
+    model = lm.Dense(2, 2)
+    apply = lm.transform(model, to_callable=lambda m: lambda x: lm.sow("x", m(x))).apply
+    variables = lm.transform(model).init(jax.random.key(0))
+    with pytest.raises(RuntimeError, match=r"lm\.sow\('x'\) ran while no method of a module"):
+        apply({**variables, "intermediates": {}}, None, jnp.ones(2))
+    out, _ = apply(variables, None, jnp.ones(2))  # without the request: nothing to record
+    assert out is False

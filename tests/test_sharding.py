@@ -132,15 +132,16 @@ def test_stack_puts_the_depth_name_in_front():
 
 
 def test_leading_axes_without_names_replicate():
-    # Axes stored in front of a declaration by other means than Stack's depth_sharding
-    # (lm.vmap'd ensembles, a Stack without a name) have no logical name.
+    # A Stack without depth_sharding stores its axis without a logical name.
     dense = lm.Dense(4, 8, kernel_sharding=("embed", "mlp"))
-    dense.kernel._lamina_axes = (3,)
-    dense.bias._lamina_axes = (3,)
-    assert specs(dense) == {"params/kernel": P(None, None, "model"), "params/bias": P(None, None)}
-    stacked = lm.Stack(dense, 2, depth_sharding="layers")
+    unnamed = lm.Stack(dense, 3)
+    assert specs(unnamed) == {
+        "params/block/kernel": P(None, None, "model"),
+        "params/block/bias": P(None, None),
+    }
+    stacked = lm.Stack(unnamed, 2, depth_sharding="layers")
     got = specs(stacked, {"layers": "data", "mlp": "model"})
-    assert got["params/block/kernel"] == P("data", None, None, "model")
+    assert got["params/block/block/kernel"] == P("data", None, None, "model")
 
 
 def test_lora_adapters_take_the_base_kernel_names():
@@ -339,7 +340,8 @@ def test_stack_depth_sharding_is_read_only():
 
 def test_on_eight_host_devices():
     """Sharded init, a 2x4 data+tensor-parallel adamw step equal to one device's, BatchNorm
-    under shard_map, a divisibility error on a real mesh (tests/sharding_devices.py)."""
+    under shard_map, a divisibility error on a real mesh, and on jax.make_mesh's default
+    Explicit axes the same step and a depth-sharded Stack (tests/sharding_devices.py)."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "sharding_devices.py")],
         capture_output=True,
@@ -358,6 +360,12 @@ def test_on_eight_host_devices():
         "batch_norm_under_shard_map",
         "ok",
         "errors_on_a_real_mesh",
+        "ok",
+        "explicit_mesh_training_step_matches_one_device",
+        "ok",
+        "explicit_mesh_depth_sharded_stack",
+        "ok",
+        "explicit_mesh_conv_training_step_matches_one_device",
     ]
 
 

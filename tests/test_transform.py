@@ -569,6 +569,483 @@ def test_widening_writes_are_cast(dtype, value, expected, getkey):
     assert new["s"]["s"].dtype == dtype and float(out) == expected
 
 
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    ("dtype", "value", "match"),
+    [
+        (jnp.int8, jnp.int32(300), r"int32 is wider than int8, and the cast would wrap"),
+        (jnp.float16, jnp.float32(1e5), r"float32 is wider than float16, .* into inf"),
+        (jnp.bfloat16, jnp.float32(1.001), r"float32 is wider than bfloat16, and the cast would"),
+        (jnp.float16, jnp.bfloat16(1e5), r"bfloat16 is wider than float16"),
+        (jnp.int8, jnp.uint8(200), r"uint8 is wider than int8"),
+        (jnp.uint8, jnp.int8(-1), r"int8 is wider than uint8"),
+        (jnp.float16, jnp.int32(100_000), r"int32 is wider than float16, .* large values into inf"),
+    ],
+)
+def test_narrowing_writes_are_errors(dtype, value, match, jit, getkey):
+    init, apply = lm.transform(Writer(dtype))
+    apply = jax.jit(apply) if jit else apply
+    name = jnp.dtype(dtype).name
+    with pytest.raises(
+        TypeError,
+        match=rf"cannot write a \w+ value to State at s/s, stored as {name}: {match}.*"
+        rf"cast explicitly if the loss is meant \(x.astype\(jnp.{name}\)\)",
+    ):
+        apply(init(getkey()), None, value)
+
+
+class Constant(lm.Module):
+    """Writes a Python number from its own code: concrete under jit too."""
+
+    def __init__(self, dtype, number):
+        self.s = lm.State("s", (), lm.initializers.zeros(), dtype, mutable=True)
+        self.number = number
+
+    def __call__(self):
+        self.s.value = self.number
+        return self.s.value
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    ("dtype", "number"),
+    [
+        (jnp.int8, 100),
+        (jnp.uint8, 255),
+        (jnp.bfloat16, 0.1),
+        (jnp.float16, 3),
+        (jnp.uint32, 3_000_000_000),  # beyond int32, JAX's default for a Python int
+        (jnp.float32, 2**40),
+        (jnp.complex64, 1 + 2j),
+    ],
+)
+def test_python_numbers_take_the_variable_dtype(dtype, number, jit, getkey):
+    init, apply = lm.transform(Constant(dtype, number))
+    out, new = (jax.jit(apply) if jit else apply)(init(getkey()), None)
+    assert new["s"]["s"].dtype == dtype and out.dtype == dtype
+    assert complex(new["s"]["s"]) == complex(jnp.asarray(number, dtype))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    ("dtype", "number", "match"),
+    [
+        (jnp.int8, 300, r"its values \(300 to 300\) do not fit in int8 \(-128 to 127\)"),
+        (jnp.uint8, -1, r"its values \(-1 to -1\) do not fit in uint8"),
+        (jnp.float16, 1e6, r"1 finite value\(s\) \(the largest 1e\+06\) are beyond float16"),
+        (jnp.float16, 100_000, r"1 finite value\(s\) .* beyond float16.s range"),
+        (jnp.uint32, -1, r"its values \(-1 to -1\) do not fit in uint32 \(0 to 4294967295\)"),
+        (jnp.float32, 1e300, r"1 finite value\(s\) \(the largest 1e\+300\) are beyond float32"),
+        (jnp.float32, 2**200, r"1 finite value\(s\) \(the largest 1.6\d*e\+60\) are beyond"),
+        (jnp.complex64, 1e300j, r"1 finite .* beyond complex64.s range \(each part at most 3.4"),
+    ],
+)
+def test_python_numbers_that_do_not_fit_are_errors(dtype, number, match, jit, getkey):
+    init, apply = lm.transform(Constant(dtype, number))
+    with pytest.raises(ValueError, match=r"to State at s/s, stored as \w+: " + match):
+        (jax.jit(apply) if jit else apply)(init(getkey()), None)
+
+
+def test_a_state_computed_wider_than_stored_stores_its_compute_dtype(getkey):
+    """A declaration with dtype wider than param_dtype says that storage rounds."""
+
+    class Halved(lm.Module):
+        def __init__(self):
+            self.s = lm.State("s", (2,), lm.initializers.ones(), jnp.float32, jnp.bfloat16, True)
+
+        def __call__(self):
+            self.s.value = self.s.value / 3
+            return self.s.value
+
+    init, apply = lm.transform(Halved())
+    out, new = jax.jit(apply)(init(getkey()), None)
+    assert out.dtype == jnp.float32 and new["s"]["s"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(new["s"]["s"], jnp.full(2, 1 / 3, jnp.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "number", "source"),
+    [(jnp.int8, 300, "int32"), (jnp.int8, 3, "int32"), (jnp.uint8, -1, "int32")],
+)
+def test_a_traced_python_number_is_cast_as_jax_promotes_it(dtype, number, source, getkey):
+    """Passed to a jitted function, a Python number's value is unknown: cast as JAX casts it."""
+    init, apply = lm.transform(Writer(dtype))
+    variables = init(getkey())
+    out, new = jax.jit(lambda x: apply(variables, None, x))(number)
+    promoted = jax.jit(lambda x: jnp.zeros((), dtype) + x)(number)  # JAX's weak-type rule
+    assert new["s"]["s"].dtype == dtype and out.dtype == dtype == promoted.dtype
+    assert int(out) == int(promoted) == int(np.asarray(number).astype(dtype))
+    if number != 3:  # eagerly its value is known, and must fit
+        name = jnp.dtype(dtype).name
+        with pytest.raises(ValueError, match=rf"a {source} value .* do not fit in {name}"):
+            apply(variables, None, jnp.asarray(number))
+
+
+def test_a_traced_python_number_in_a_dtype_that_holds_it_is_written(getkey):
+    init, apply = lm.transform(Writer(jnp.float32))
+    variables = init(getkey())
+    out, new = jax.jit(lambda x: apply(variables, None, x))(3)
+    assert new["s"]["s"].dtype == jnp.float32 and float(out) == 3.0
+
+
+def test_a_traced_64_bit_python_int_into_int32_wraps_as_jax_does(getkey):
+    with jax.enable_x64(True):
+        init, apply = lm.transform(Writer(jnp.int32))
+        variables = init(getkey())
+        out, new = jax.jit(lambda x: apply(variables, None, x))(2**40 + 5)
+        assert new["s"]["s"].dtype == jnp.int32 and int(out) == 5  # as jnp.int32(0) + x
+        with pytest.raises(ValueError, match=r"cannot write 1099511627781 .* do not fit in int32"):
+            apply(variables, None, 2**40 + 5)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "value", "match"),
+    [
+        (jnp.int8, jnp.asarray(300), r"its values \(300 to 300\) do not fit in int8"),
+        (jnp.uint32, jnp.asarray(-1), r"its values \(-1 to -1\) do not fit in uint32"),
+    ],
+)
+def test_a_concrete_weak_array_is_judged_by_value(dtype, value, match, getkey):
+    init, apply = lm.transform(Writer(dtype))
+    with pytest.raises(ValueError, match=r"cannot write a int32 value to State at s/s, .*" + match):
+        apply(init(getkey()), None, value)
+    out, _ = apply(init(getkey()), None, jnp.asarray(7))
+    assert out.dtype == dtype and int(out) == 7
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (np.float64(1e300), r"a float64 value .* 1 finite value\(s\) \(the largest 1e\+300\)"),
+        (np.complex128(1e300j), r"a complex128 value .* \(the largest 1e\+300\)"),
+        (np.complex128(3 - 1e39j), r"a complex128 value .* \(the largest 1e\+39\)"),
+    ],
+)
+def test_writes_into_a_complex_state_check_both_parts(value, match, getkey):
+    init, apply = lm.transform(Writer(jnp.complex64))
+    match = r"cannot write " + match + r" are beyond complex64's range \(each part at most 3.4"
+    with pytest.raises(ValueError, match=match):
+        apply(init(getkey()), None, value)
+    out, new = apply(init(getkey()), None, np.complex128(1 - 2j))
+    assert new["s"]["s"].dtype == jnp.complex64 and complex(out) == 1 - 2j
+
+
+class Rounded(lm.Module):
+    """Computed in float32, stored in float16: a write in float32 rounds into storage."""
+
+    def __init__(self):
+        self.s = lm.State("s", (), lm.initializers.zeros(), jnp.float32, jnp.float16, True)
+
+    def __call__(self, value):
+        self.s.value = value
+        return self.s.value
+
+
+def test_a_compute_dtype_write_must_fit_its_storage(getkey):
+    init, apply = lm.transform(Rounded())
+    with pytest.raises(
+        ValueError,
+        match=r"cannot write a float32 value to State at s/s, stored as float16: 1 finite "
+        r"value\(s\) \(the largest 100000\) are beyond float16's range \(largest 65504\)",
+    ):
+        apply(init(getkey()), None, jnp.float32(1e5))
+    out, new = apply(init(getkey()), None, jnp.float32(1 / 3))
+    assert new["s"]["s"].dtype == jnp.float16 and float(out) == float(jnp.float16(1 / 3))
+    out, new = jax.jit(apply)(init(getkey()), None, jnp.float32(1 / 3))  # declared rounding
+    assert new["s"]["s"].dtype == jnp.float16 and float(out) == float(jnp.float16(1 / 3))
+
+
+class Initialised(lm.Module):
+    def __init__(self, dtype, init, shape=(2,)):
+        self.s = lm.State("s", shape, init, dtype, mutable=True)
+
+    def __call__(self):
+        return self.s.value
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    ("dtype", "init", "match"),
+    [
+        (
+            jnp.float32,
+            lambda k, s, d: jnp.full(s, 1 + 2j, jnp.complex64),
+            r"returned a complex64 value, .* stored as float32 .*drop the imaginary part",
+        ),
+        (
+            jnp.int8,
+            lambda k, s, d: jnp.full(s, 1.7, jnp.float32),
+            r"returned a float32 value, .* stored as int8 .*drop the fraction",
+        ),
+        (
+            jnp.bool_,
+            lambda k, s, d: jnp.full(s, 2, jnp.int32),
+            r"returned a int32 value, .* stored as bool .*every nonzero value into True",
+        ),
+    ],
+)
+def test_an_initializer_that_changes_the_kind_is_an_error(dtype, init, match, jit, getkey):
+    make = lm.transform(Initialised(dtype, init)).init
+    with pytest.raises(TypeError, match=r"the initializer .* of s/s " + match):
+        (jax.jit(make) if jit else make)(getkey())
+
+
+@pytest.mark.parametrize(
+    ("dtype", "init", "match", "traced"),
+    [
+        (
+            jnp.int8,
+            lambda k, s, d: jnp.full(s, 300, jnp.int32),
+            r"returned a int32 value, .* its values \(300 to 300\) do not fit in int8",
+            44,
+        ),
+        (
+            jnp.float16,
+            lambda k, s, d: jnp.full(s, 1e5, jnp.float32),
+            r"returned a float32 value, .* \(the largest 100000\) are beyond float16",
+            np.inf,
+        ),
+        (
+            jnp.int8,
+            lambda k, s, d: jnp.full(s, 300),
+            r"returned a weak-typed int32 value, .* its values \(300 to 300\) do not fit",
+            44,
+        ),
+    ],
+)
+def test_an_initializer_narrowing_within_its_kind_is_checked_by_value(
+    dtype, init, match, traced, getkey
+):
+    """Concrete initial values must fit; traced ones (jax.jit of init) are cast."""
+    make = lm.transform(Initialised(dtype, init)).init
+    with pytest.raises(ValueError, match=r"the initializer .* of s/s " + match):
+        make(getkey())
+    value = jax.jit(make)(getkey())["s"]["s"]
+    assert value.dtype == dtype and value.tolist() == [traced, traced]
+
+
+def _normal(k, s, d):
+    return jax.random.normal(k, s) * 0.02
+
+
+def _truncated(k, s, d):
+    return jax.random.truncated_normal(k, -2.0, 2.0, s)
+
+
+def _ones(k, s, d):
+    return np.ones(s)
+
+
+@pytest.mark.parametrize("how", ["eager", "jit", "stack"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("draw", [_normal, _truncated, _ones])
+def test_an_initializer_may_return_float32_for_a_narrower_float_variable(draw, dtype, how):
+    dense = lm.Dense(4, 4, kernel_init=draw, dtype=dtype)
+    model = lm.Stack(dense, 3) if how == "stack" else dense
+    make = lm.transform(model).init
+    params = (jax.jit(make) if how == "jit" else make)(jax.random.key(1))["params"]
+    kernel = params["block"]["kernel"] if how == "stack" else params["kernel"]
+    assert kernel.dtype == dtype
+    wide = lm.Dense(4, 4, kernel_init=draw)  # the same draws in float32, then cast
+    wide = lm.Stack(wide, 3) if how == "stack" else wide
+    wanted = lm.transform(wide).init(jax.random.key(1))["params"]
+    wanted = wanted["block"]["kernel"] if how == "stack" else wanted["kernel"]
+    np.testing.assert_array_equal(kernel, wanted.astype(dtype))
+
+
+class Flags(lm.Module):
+    """Writes a weak-typed value computed from its input: JAX's rule gives it the state's dtype."""
+
+    def __init__(self, dtype, make):
+        self.s = lm.State("s", (3,), lm.initializers.zeros(), dtype, mutable=True)
+        self.make = make
+
+    def __call__(self, x):
+        self.s.value = self.make(x)
+        return self.s.value
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    ("dtype", "make", "wanted"),
+    [
+        (jnp.bfloat16, lambda x: jnp.where(x > 0, 1.0, 0.0), [1.0, 0.0, 1.0]),
+        (jnp.bfloat16, lambda x: jnp.full((3,), 0.0), [0.0, 0.0, 0.0]),
+        (jnp.int8, lambda x: jnp.where(x > 0, 1, 0), [1, 0, 1]),
+        (jnp.int8, lambda x: jnp.where(x > 0, 200, 0), [-56, 0, -56]),  # as int8 + where(...)
+    ],
+)
+def test_a_weak_typed_traced_write_takes_the_state_dtype(dtype, make, wanted, jit, getkey):
+    init, apply = lm.transform(Flags(dtype, make))
+    x = jnp.array([1.0, -2.0, 3.0])
+    if min(wanted) < 0 and not jit:  # eagerly the values are known: they must fit
+        with pytest.raises(ValueError, match=r"State at s/s, stored as int8: its values"):
+            apply(init(getkey()), None, x)
+        return
+    out, new = (jax.jit(apply) if jit else apply)(init(getkey()), None, x)
+    assert new["s"]["s"].dtype == dtype and new["s"]["s"].tolist() == wanted
+    assert (jnp.zeros(3, dtype) + jax.jit(make)(x)).tolist() == wanted
+
+
+@pytest.mark.parametrize(
+    ("dtype", "given"),
+    [
+        (jnp.bfloat16, 0.25),
+        (jnp.bfloat16, lambda: jnp.asarray(0.25)),
+        (jnp.int8, 7),
+        (jnp.int8, lambda: jnp.asarray(7)),
+    ],
+)
+def test_jitted_apply_takes_a_weak_value_for_a_narrower_variable(dtype, given, getkey):
+    given = given() if callable(given) else given
+    init, apply = lm.transform(Reader(dtype))
+    out, _ = jax.jit(apply)({"s": {"s": given}}, None)
+    assert out.dtype == dtype and float(out) == float(given)
+
+
+def test_a_float_narrowing_refusal_names_both_fixes(getkey):
+    init, apply = lm.transform(Writer(jnp.bfloat16))
+    with pytest.raises(
+        TypeError,
+        match=r"cannot write a float32 value to State at s/s, stored as bfloat16: .*"
+        r"x.astype\(jnp.bfloat16\).*dtype=float32, param_dtype=bfloat16.*param_dtype=float32",
+    ):
+        jax.jit(apply)(init(getkey()), None, jnp.float32(0.5))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_int32_initializer_may_draw_an_int8_variable(jit, getkey):
+    def draw(k, s, d):
+        return jax.random.randint(k, s, -127, 128)
+
+    make = lm.transform(Initialised(jnp.int8, draw, (16,))).init
+    key = getkey()
+    value = (jax.jit(make) if jit else make)(key)["s"]["s"]
+    wanted = lm.transform(Initialised(jnp.int32, draw, (16,))).init(key)["s"]["s"]
+    assert value.dtype == jnp.int8 and value.tolist() == wanted.tolist()
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_initializer_returning_a_weak_value_is_judged_as_a_write(jit, getkey):
+    make = lm.transform(Initialised(jnp.int8, lambda k, s, d: jnp.full(s, 7))).init
+    value = (jax.jit(make) if jit else make)(getkey())["s"]["s"]
+    assert value.dtype == jnp.int8 and value.tolist() == [7, 7]
+    with pytest.raises(ValueError, match=r"returned a weak-typed int32 value, .* do not fit"):
+        lm.transform(Initialised(jnp.int8, lambda k, s, d: jnp.full(s, 300))).init(getkey())
+    with pytest.raises(ValueError, match=r"returned the Python number 300, .* do not fit in int8"):
+        lm.transform(Initialised(jnp.int8, lambda k, s, d: 300, ())).init(getkey())
+    fits = lm.transform(Initialised(jnp.int8, lambda k, s, d: 3, ())).init(getkey())["s"]["s"]
+    assert fits.dtype == jnp.int8 and int(fits) == 3
+
+
+def test_an_initializer_in_a_stack_is_checked_under_its_vmap(getkey):
+    block = Initialised(jnp.int8, lambda k, s, d: jnp.full(s, 1.5, jnp.float32))
+    with pytest.raises(TypeError, match=r"of s/block/s returned a float32 value.*fraction"):
+        lm.transform(lm.Stack(block, 2)).init(getkey())
+    block = Initialised(jnp.int8, lambda k, s, d: jnp.full(s, 300, jnp.int32))  # by value
+    with pytest.raises(ValueError, match=r"of s/block/s returned a int32 .* do not fit in int8"):
+        lm.transform(lm.Stack(block, 2)).init(getkey())
+    value = jax.jit(lm.transform(lm.Stack(block, 2)).init)(getkey())["s"]["block"]["s"]
+    assert value.dtype == jnp.int8 and value.tolist() == [[44, 44], [44, 44]]
+
+
+def test_an_initializer_may_return_a_wider_or_the_compute_dtype(getkey):
+    widened = lm.transform(Initialised(jnp.float32, lambda k, s, d: jnp.full(s, 3, jnp.int8)))
+    assert widened.init(getkey())["s"]["s"].tolist() == [3.0, 3.0]
+    # float32 compute, bfloat16 storage: a float32 initializer rounds into storage (declared)
+    dense = lm.Dense(2, 2, dtype=jnp.float32, param_dtype=jnp.bfloat16)
+    dense.kernel.init = lambda k, s, d: jnp.full(s, 1 / 3, jnp.float32)
+    kernel = jax.jit(lm.transform(dense).init)(getkey())["params"]["kernel"]
+    assert kernel.dtype == jnp.bfloat16 and float(kernel[0, 0]) == float(jnp.bfloat16(1 / 3))
+    bf16 = lm.transform(lm.Dense(2, 2, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16))
+    assert jax.jit(bf16.init)(getkey())["params"]["kernel"].dtype == jnp.bfloat16
+
+
+class Reader(lm.Module):
+    def __init__(self, dtype):
+        self.s = lm.State("s", (), lm.initializers.zeros(), dtype)
+
+    def __call__(self):
+        return self.s.value
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_apply_refuses_a_variable_given_in_a_wider_dtype(jit, getkey):
+    init, apply = lm.transform(Reader(jnp.int8))
+    apply = jax.jit(apply) if jit else apply
+    with pytest.raises(
+        TypeError,
+        match=r"State at s/s got a int32 value, but it is read as int8: int32 is wider than "
+        r"int8, and the cast would wrap the values that do not fit.* \(x.astype\(jnp.int8\)\)",
+    ):
+        apply({"s": {"s": jnp.int32(300)}}, None)
+    out, _ = apply({"s": {"s": jnp.int8(44)}}, None)
+    assert out.dtype == jnp.int8 and int(out) == 44
+    out, _ = apply({"s": {"s": jnp.bool_(True)}}, None)  # bool widens to any number
+    assert out.dtype == jnp.int8 and int(out) == 1
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_weak_float32_kernel_for_a_float16_layer_is_judged_as_jax_promotes_it(jit, getkey):
+    """``jnp.full(shape, 1e5)`` is weakly typed: by value eagerly, cast as JAX does under jit."""
+    init, apply = lm.transform(lm.Dense(2, 2, dtype=jnp.float16))
+    variables = {"params": {"kernel": jnp.full((2, 2), 1e5), "bias": jnp.zeros(2, jnp.float16)}}
+    x = jnp.ones((1, 2), jnp.float16)
+    if not jit:
+        with pytest.raises(
+            ValueError, match=r"Parameter at params/kernel got a float32 value, .* finite value"
+        ):
+            apply(variables, None, x)
+    else:
+        out, _ = jax.jit(apply)(variables, None, x)  # 1e5 overflows, as in float16 + 1e5
+        assert out.dtype == jnp.float16 and np.isinf(np.asarray(out)).all()
+    variables["params"]["kernel"] = jnp.full((2, 2), 0.5)
+    out, _ = (jax.jit(apply) if jit else apply)(variables, None, x)
+    assert out.dtype == jnp.float16 and out.tolist() == [[1.0, 1.0]]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_apply_refuses_a_float32_kernel_for_a_float16_layer(jit, getkey):
+    init, apply = lm.transform(lm.Dense(2, 2, dtype=jnp.float16))
+    variables = jax.tree.map(lambda v: jnp.full(v.shape, 1e5, jnp.float32), init(getkey()))
+    with pytest.raises(
+        TypeError,
+        match=r"Parameter at params/\w+ got a float32 value, but it is read as float16: "
+        r"float32 is wider than float16",
+    ):
+        (jax.jit(apply) if jit else apply)(variables, None, jnp.ones((1, 2), jnp.float16))
+
+
+def test_apply_reads_a_python_number_in_the_variable_dtype_if_it_fits(getkey):
+    init, apply = lm.transform(Reader(jnp.int8))
+    out, _ = apply({"s": {"s": 100}}, None)
+    assert out.dtype == jnp.int8 and int(out) == 100
+    with pytest.raises(ValueError, match=r"got a int32 value, .* \(300 to 300\) do not fit"):
+        apply({"s": {"s": 300}}, None)
+
+
+def test_mixed_precision_reads_are_not_narrowing(getkey):
+    """float32 storage read in bfloat16 is the layer's compute dtype, not a narrowed value."""
+    init, apply = lm.transform(lm.Dense(2, 2, dtype=jnp.bfloat16, param_dtype=jnp.float32))
+    variables = init(getkey())
+    out, _ = jax.jit(apply)(variables, None, jnp.ones((1, 2), jnp.bfloat16))
+    kernel, bias = variables["params"]["kernel"], variables["params"]["bias"]
+    expected = jnp.ones((1, 2)) @ kernel.astype(jnp.bfloat16).astype(jnp.float32) + bias[None]
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), expected, rtol=1e-2)
+
+
+@pytest.mark.parametrize("leaf", [np.array(["a", "b"]), np.array([object(), 1], dtype=object)])
+def test_a_variable_that_is_not_numeric_is_named(leaf, getkey):
+    init, apply = lm.transform(lm.Dense(2, 2))
+    variables = init(getkey())
+    variables["params"]["bias"] = leaf
+    with pytest.raises(
+        TypeError, match=r"Parameter at params/bias got a \S+ value, .* is not a numeric array"
+    ):
+        apply(variables, None, jnp.ones((1, 2)))
+
+
 @pytest.mark.parametrize(
     ("rngs", "match"),
     [
@@ -635,3 +1112,32 @@ def test_apply_casts_a_variable_within_its_kind(getkey):
     expected, _ = apply(jax.tree.map(lambda v: v.astype(jnp.float32), low), None, jnp.ones((1, 2)))
     assert out.dtype == jnp.float32
     np.testing.assert_array_equal(out, expected)
+
+
+def test_a_thousand_nested_modules_transform_and_run(getkey):
+    model = lm.Dense(2, 2, kernel_init=lm.initializers.constant(2.0))
+    for _ in range(1000):
+        model = lm.Sequential(model)
+    init, apply = lm.transform(model)
+    variables = init(getkey())
+    x = jnp.ones((1, 2))
+    expected = jnp.full((1, 2), 4.0)
+    np.testing.assert_array_equal(apply(variables, None, x)[0], expected)
+    np.testing.assert_array_equal(jax.jit(apply)(variables, None, x)[0], expected)
+    grads = jax.grad(lambda v: apply(v, None, x)[0].sum())(variables)
+    assert jax.tree.structure(grads) == jax.tree.structure(variables)
+    again = lm.transform(lm.assign_variables(model, variables)).init(getkey())
+    jax.tree.map(np.testing.assert_array_equal, again, variables)
+
+
+def test_64_bit_numpy_values_become_32_bit_if_they_fit(getkey):
+    """Without x64, int64 and float64 NumPy values are 32-bit, as everywhere in JAX."""
+    init, apply = lm.transform(Writer(jnp.int32))
+    variables = init(getkey())
+    out, new = apply(variables, None, np.int64(5))
+    assert new["s"]["s"].dtype == jnp.int32 and int(out) == 5
+    with pytest.raises(ValueError, match=r"its values \(1099511627776 to .* do not fit in int32"):
+        apply(variables, None, np.int64(2**40))
+    init, apply = lm.transform(Writer(jnp.int8))
+    with pytest.raises(TypeError, match=r"int32 is wider than int8"):  # int64 is int32 here
+        apply(init(getkey()), None, np.int64(5))

@@ -1,3 +1,5 @@
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -101,6 +103,41 @@ def test_assign_value_before_transform_becomes_initializer(getkey):
 
     variables = lm.transform(M()).init(getkey())
     np.testing.assert_array_equal(variables["params"]["p"], np.ones((10, 10)))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "number", "error", "match"),
+    [
+        (jnp.uint32, -1, ValueError, r"its values \(-1 to -1\) do not fit in uint32"),
+        (
+            jnp.float32,
+            2**200,
+            ValueError,
+            r"1 finite value\(s\) \(the largest 1.6\d*e\+60\) are beyond float32",
+        ),
+        (jnp.int8, 1.5, TypeError, r"the cast would drop the fraction"),
+    ],
+)
+def test_assign_a_python_number_that_does_not_fit(dtype, number, error, match):
+    state = lm.State("counters", (), lm.initializers.zeros(), dtype, mutable=True)
+    with pytest.raises(
+        error, match=rf"cannot assign {re.escape(repr(number))} to State, stored as \w+: " + match
+    ):
+        state.value = number
+
+
+@pytest.mark.parametrize(("dtype", "number"), [(jnp.uint32, 3_000_000_000), (jnp.float32, 2**70)])
+def test_assign_a_python_number_beyond_int32_where_it_fits(dtype, number, getkey):
+    class Holder(lm.Module):
+        def __init__(self):
+            self.s = lm.State("counters", (), lm.initializers.zeros(), dtype, mutable=True)
+            self.s.value = number
+
+        def __call__(self):
+            return self.s.value
+
+    stored = lm.transform(Holder()).init(getkey())["counters"]["s"]
+    assert stored.dtype == dtype and float(stored) == float(jnp.asarray(number, dtype))
 
 
 def test_assign_value_wrong_shape_names_both_shapes():

@@ -10,6 +10,9 @@ to a compiled kernel hits the same compilation cache after every copy.
 from __future__ import annotations
 
 import copy
+import functools
+import importlib
+import types
 from typing import Any
 
 import jax
@@ -59,6 +62,89 @@ def copy_object(obj: Any, memo: dict[int, Any]) -> Any:
     for name, value in vars(obj).items():
         result.__dict__[name] = copy_value(value, memo)
     return result
+
+
+def picklable_state(obj: Any) -> dict[str, Any]:
+    """A module's attributes for `pickle`, with JAX's functions named so that they pickle.
+
+    ``jax.nn.relu``, ``lm.sigmoid`` and the like are ``jax.jit`` or ``custom_jvp`` objects
+    that `pickle` cannot find by name; held by a module (directly, in its lists, tuples and
+    dicts, or in a ``functools.partial``), each is replaced by a reference to the public name
+    it is found under in `lamina.activations`, `jax.nn`, `jax.numpy` or `jax.lax` (or, for
+    a decorated function of another module, such as ``@jax.jit def f``, under its own module
+    and name), which unpickles as the same function object. Everything else pickles as
+    itself.
+    """
+    return {name: _picklable(value) for name, value in vars(obj).items()}
+
+
+def _picklable(value: Any) -> Any:
+    kind = type(value)
+    if kind in _ATOMIC:
+        return value
+    if kind in (list, tuple, dict):
+        items = list(value.items()) if kind is dict else list(enumerate(value))
+        new = [(key, _picklable(item)) for key, item in items]
+        if all(a is b for (_, a), (_, b) in zip(new, items, strict=True)):
+            return value
+        return dict(new) if kind is dict else kind(item for _, item in new)
+    if kind is functools.partial:
+        func = _picklable(value.func)
+        if func is value.func:
+            return value
+        return functools.partial(func, *value.args, **value.keywords)
+    if callable(value) and not isinstance(value, (type, types.FunctionType)):
+        name = _public_functions().get(id(value)) or _own_name(value)
+        if name is not None:
+            return _FunctionName(*name)
+    return value
+
+
+def _own_name(value: Any) -> tuple[str, str] | None:
+    """Where a decorated function (``@jax.jit def f``) lives, if it is found there by name."""
+    module, name = getattr(value, "__module__", None), getattr(value, "__qualname__", None)
+    if not (isinstance(module, str) and isinstance(name, str)):
+        return None
+    try:
+        found = _public_function(module, name)
+    except Exception:  # not importable, or not there: pickle decides, and says why
+        return None
+    return (module, name) if found is value else None
+
+
+class _FunctionName:
+    """Pickles as a reference to ``module.name``: unpickling returns that function itself."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        return _public_function, (self.module, self.name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # inside a functools.partial
+        return _public_function(self.module, self.name)(*args, **kwargs)
+
+
+def _public_function(module: str, name: str) -> Any:
+    found = importlib.import_module(module)
+    for part in name.split("."):
+        found = getattr(found, part)
+    return found
+
+
+@functools.cache
+def _public_functions() -> dict[int, tuple[str, str]]:
+    """``id(function) -> (module, name)`` for the functions of the modules named above."""
+    found: dict[int, tuple[str, str]] = {}
+    for module in ("lamina.activations", "jax.nn", "jax.numpy", "jax.lax"):
+        namespace = importlib.import_module(module)
+        for name in getattr(namespace, "__all__", None) or dir(namespace):
+            value = getattr(namespace, name, None)
+            if not name.startswith("_") and callable(value) and not isinstance(value, type):
+                found.setdefault(id(value), (module, name))
+    return found
 
 
 class FrozenList(list):

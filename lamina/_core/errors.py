@@ -28,6 +28,9 @@ class VariablesError(ValueError):
 class CheckpointError(ValueError):
     """A file that is not a readable checkpoint: truncated, corrupted, or in another format.
 
+    Also what `lm.save` raises when it cannot write the file (a full disk, a file-size limit),
+    naming the file and the bytes it needs.
+
     Example:
         >>> import os, tempfile, lamina as lm
         >>> path = os.path.join(tempfile.mkdtemp(), "notes.safetensors")

@@ -14,15 +14,14 @@ Transforms *around* ``apply`` are unaffected: the frame opens inside them.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import get_opaque_trace_state
 
+from .casting import check_cast, check_number, is_number
 from .errors import (
     ImmutableVariableError,
     TraceContextError,
@@ -202,19 +201,30 @@ class Frame:
         if tuple(value.shape) != expected:
             raise ValueError(
                 f"cannot write a value of shape {tuple(value.shape)} to {_named(state)}, "
-                f"declared with shape {expected}."
+                f"{self._held_as(state, expected)}."
             )
         target = state.param_dtype
         if value.dtype != target:
             check_cast(
-                value.dtype,
+                value,
                 target,
                 lambda: (
                     f"cannot write a {value.dtype} value to {_named(state)}, stored as {target}"
                 ),
+                state.dtype,
             )
             value = value.astype(target)
         self.values[slot] = value
+
+    def _held_as(self, state: State, shape: tuple[int, ...]) -> str:
+        """How a write's message states the shape this frame holds for `state`."""
+        if shape == state.shape:
+            return f"declared with shape {shape}"
+        if self.inside is not None:
+            each = {"lm.vmap": "each member of ", "lm.scan": "each step of "}
+            within = each.get(self.inside, "")
+            return f"of shape {shape} in {within}{self.inside} (declared {state.shape})"
+        return f"stored as {shape} (declared {state.shape}, stacked axes in front)"
 
 
 def _named(state: State) -> str:
@@ -222,8 +232,19 @@ def _named(state: State) -> str:
 
 
 def _as_value(value: Any, state: State) -> Any:
+    """`value` as an array; a Python number checked and made in the storage dtype.
+
+    A Python number takes the variable's dtype as in JAX's weak typing, whatever its size
+    (``3_000_000_000`` into uint32), where it fits (`casting.check_number`).
+    """
     if hasattr(value, "shape") and hasattr(value, "dtype") and not _is_declaration(value):
         return value
+    if is_number(value):
+        target = state.param_dtype
+        check_number(
+            value, target, lambda: f"cannot write {value!r} to {_named(state)}, stored as {target}"
+        )
+        return jnp.asarray(value, dtype=target)
     try:
         return jnp.asarray(value)
     except Exception as error:
@@ -237,39 +258,6 @@ def _is_declaration(value: Any) -> bool:
     from .variables import State
 
     return isinstance(value, State)
-
-
-def check_cast(source: Any, target: Any, what: Callable[[], str]) -> None:
-    """Raises `TypeError` if a `source` value would lose its kind of number as `target`.
-
-    Every way a value enters a variable comes here (a write inside a call, a read of a value
-    that `apply` was given in another dtype, `assign_variables`, ``.value =`` before
-    `transform`): a float becoming an int, or a complex a real, is never silent. Casts
-    within a kind (float32 to bfloat16, int64 to int32) are allowed, as in NumPy's
-    ``same_kind``; where the values are known (`assign_variables`, `from_torch`),
-    `variables.narrowing_damage` refuses those the narrower dtype cannot hold.
-
-    Args:
-        source: The value's dtype.
-        target: The variable's dtype.
-        what: Builds the start of the message (only on failure), e.g. ``"cannot write a
-            float32 value to State at counters/steps, stored as int32"``.
-    """
-    if _castable(source, target):
-        return
-    complex_to_real = np.dtype(source).kind == "c"
-    part = "the imaginary part" if complex_to_real else "the fraction"
-    fix = f"jnp.real(x).astype({target})" if complex_to_real else f"jnp.round(x).astype({target})"
-    raise TypeError(
-        f"{what()}: the cast would drop {part}. Convert it explicitly ({fix}), or declare the "
-        f"variable with dtype={source}."
-    )
-
-
-@functools.cache
-def _castable(source: Any, target: Any) -> bool:
-    """Whether a `source` value may become a `target` one (NumPy's ``same_kind``)."""
-    return bool(np.can_cast(source, target, casting="same_kind"))
 
 
 def frame_of(state: State) -> Frame:

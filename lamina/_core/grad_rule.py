@@ -25,6 +25,9 @@ from typing import Any, ParamSpec
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as _jax_core  # the current trace, to tell a closed-over tracer
+from jax._src.interpreters import ad as _jax_ad
+from jax._src.interpreters import partial_eval as _jax_pe
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun, primal_dtype_to_tangent_dtype
 
 P = ParamSpec("P")
@@ -54,8 +57,16 @@ def grad_rule(fn: Callable[P, tuple[Any, Pullback]]) -> Callable[P, Any]:
 
     Args:
         fn: ``fn(*args, **kwargs) -> (y, pullback)``. `y` is a pytree of arrays; `fn` must be
-            a pure function of its arguments (differentiating a value it closes over is an
-            error: pass that value as a positional argument).
+            a pure function of its arguments. It runs on the values it is given (concrete
+            arrays under an eager `jax.grad`; abstract ones under `jax.jit`, or when the rule
+            is differentiated at a higher order, where it is traced to a jaxpr to check its
+            closures). `fn` and its pullback may close over values that are not
+            differentiated (constants, values traced by an enclosing `jax.jit` or
+            `jax.vmap`); closing over a value that a `jax.grad`/`jax.vjp`/`jax.jvp` around
+            the call differentiates is a TypeError: pass that value as a positional
+            argument. A value traced by a `jax.jit` or a loop body (`jax.lax.scan`) that a
+            differentiation outside it reaches is a TypeError too (JAX traces the forward
+            pass outside that jit): pass it as a keyword argument.
 
     Returns:
         A function with `fn`'s signature (and name and docstring) that returns `y`.
@@ -65,7 +76,8 @@ def grad_rule(fn: Callable[P, tuple[Any, Pullback]]) -> Callable[P, Any]:
             something other than arrays and numbers, or `fn` not returning a pair
             ``(y, pullback)`` with a callable pullback. When differentiated: a pullback that
             returns something other than a tuple, or a cotangent of the wrong dtype or of the
-            wrong kind (not an array).
+            wrong kind (not an array); `fn` or its pullback closing over a differentiated
+            value; a pullback that computes with the float0 cotangent of an integer output.
         ValueError: When differentiated: a pullback that returns the wrong number of
             cotangents, or one of the wrong structure or shape. Every message names `fn`.
 
@@ -115,13 +127,32 @@ def grad_rule(fn: Callable[P, tuple[Any, Pullback]]) -> Callable[P, Any]:
             ]
             return jax.tree.unflatten(kw_tree, leaves)
 
+        differentiating = _differentiating()
+
         def primal(args: tuple[Any, ...], kw_arrays: list[Any]) -> Any:
-            return _call(fn, name, args, keywords(kw_arrays))[0]
+            return run(args, kw_arrays, False)
 
         def forward(args: tuple[Any, ...], kw_arrays: list[Any]) -> tuple[Any, _Residuals]:
-            y, pullback = _call(fn, name, args, keywords(kw_arrays))
-            residuals = _trace_pullback(name, pullback, y, args)
+            y, residuals = run(args, kw_arrays, True)
             return _with_rule(args, y, residuals), residuals
+
+        def run(args: tuple[Any, ...], kw_arrays: list[Any], pullback: bool) -> Any:
+            # `fn` runs on the values it is given (concrete ones under an eager jax.grad);
+            # only where that cannot tell a closed-over differentiated value is it traced.
+            if not (differentiating or pullback):
+                return call(args, kw_arrays, pullback)
+            if _needs_jaxpr((args, kw_arrays)):
+                return _checked(name, lambda a, k: call(a, k, pullback), args, kw_arrays)
+            result = call(args, kw_arrays, pullback)
+            # No input is differentiated: a differentiated tracer in `y` or among the values
+            # the pullback captured can only come from a value `fn` closes over.
+            if any(_is_differentiated(leaf) for leaf in jax.tree.leaves(result)):
+                raise _closure_error(name, "the rule (its forward pass or its pullback)")
+            return result
+
+        def call(args: tuple[Any, ...], kw_arrays: list[Any], pullback: bool) -> Any:
+            y, pullback_fn = _call(fn, name, args, keywords(kw_arrays), differentiating)
+            return (y, _trace_pullback(name, pullback_fn, y, args)) if pullback else y
 
         def backward(residuals: _Residuals, g: Any) -> tuple[Any, None]:
             return residuals.cotangents(g), None  # the keyword arrays: zero
@@ -161,10 +192,24 @@ _with_rule.defvjp(_with_rule_forward, _with_rule_backward)
 
 
 def _call(
-    fn: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    fn: Callable[..., Any],
+    name: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    differentiating: bool,
 ) -> tuple[Any, Pullback]:
-    """``fn(*args, **kwargs)``, checked to be a pair ``(y, pullback)``."""
-    result = fn(*args, **kwargs)
+    """``fn(*args, **kwargs)``, checked to be a pair ``(y, pullback)``.
+
+    `differentiating` says whether a differentiation was tracing where the rule was called:
+    then a tracer that escapes inside `fn` is a differentiated value it closes over (JAX
+    runs the forward pass of a `custom_vjp` below that differentiation's trace).
+    """
+    try:
+        result = fn(*args, **kwargs)
+    except jax.errors.UnexpectedTracerError as error:
+        if not differentiating:
+            raise
+        raise _closure_error(name, "its forward pass") from error
     if not (isinstance(result, tuple) and len(result) == 2):
         got = f"a tuple of {len(result)}" if isinstance(result, tuple) else _kind(result)
         raise TypeError(
@@ -258,9 +303,20 @@ def _trace_pullback(name: str, pullback: Pullback, y: Any, args: tuple[Any, ...]
         y,
     )
     slots: list[int] = []
+    integer = [
+        f"y{jax.tree_util.keystr(path)} ({jax.typeof(leaf).str_short()})"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(y)[0]
+        if primal_dtype_to_tangent_dtype(jax.typeof(leaf).dtype) == jax.dtypes.float0
+    ]
 
     def checked_pullback(g: Any) -> list[Any]:
-        cotangents = _check_cotangents(name, pullback(g), args)
+        try:
+            given = pullback(g)
+            cotangents = _check_cotangents(name, given, args)
+        except TypeError as error:
+            if integer and "float0" in str(error):
+                raise _integer_output_error(name, integer) from error
+            raise
         slots[:] = [slot for slot, _ in cotangents]
         return [value for _, value in cotangents]
 
@@ -268,6 +324,18 @@ def _trace_pullback(name: str, pullback: Pullback, y: Any, args: tuple[Any, ...]
     arg_trees = [jax.tree.structure(arg) for arg in args]
     layout = _Layout(closed.jaxpr, arg_trees, slots)
     return _Residuals(layout, closed.consts)
+
+
+def _integer_output_error(name: str, integer: list[str]) -> TypeError:
+    outputs = ", ".join(integer)
+    return TypeError(
+        f"grad rule {name} returns an integer or bool output, {outputs}: such an output has "
+        f"no gradient, so the pullback receives its cotangent as JAX's float0 zeros, which "
+        f"no arithmetic accepts. If the rule is meant to pass a gradient through that "
+        f"output (a straight-through count or rounding), return it as a float "
+        f"(`y.astype(jnp.float32)`); if its gradient is zero, return None for the "
+        f"cotangents it would feed."
+    )
 
 
 def _check_cotangents(name: str, cotangents: Any, args: tuple[Any, ...]) -> list[tuple[int, Any]]:
@@ -364,9 +432,96 @@ def _check_leaf(name: str, where: str, value: Any, primal: Any) -> Any:
     return value
 
 
+def _needs_jaxpr(inputs: Any) -> bool:
+    """Whether only a jaxpr of the rule can tell the differentiated values it closes over.
+
+    Elsewhere the values `fn` computes show it: a differentiated tracer among them that no
+    input holds comes from a closed-over value. Not so where a `jax.jit` (or a scan's body)
+    is being traced, which turns a closed-over tracer into one of its own constants, out of
+    sight; nor where an input is differentiated (the rule differentiated at a higher order),
+    as values of that differentiation then come from the inputs too.
+    """
+    if any(isinstance(trace, _jax_pe.DynamicJaxprTrace) for trace in _trace_chain()):
+        return True
+    return any(_is_differentiated(leaf) for leaf in jax.tree.leaves(inputs))
+
+
+def _checked(name: str, run: Callable[..., Any], *inputs: Any) -> Any:
+    """``run(*inputs)``, refusing a differentiated value that it closes over.
+
+    The rule is traced to a jaxpr first, which turns every value it closes over into a
+    constant (the forward pass and the pullback: `run` traces the pullback too); the jaxpr
+    is then evaluated, so `fn` still runs once (on abstract values, as under `jax.jit`).
+    """
+    tree: list[Any] = []
+
+    def flat(*inputs: Any) -> list[Any]:
+        leaves, treedef = jax.tree.flatten(run(*inputs))
+        tree.append(treedef)
+        return leaves
+
+    closed = jax.make_jaxpr(flat)(*inputs)
+    if any(_is_differentiated(const) for const in closed.consts):
+        raise _closure_error(name, "the rule (its forward pass or its pullback)")
+    running = {id(trace) for trace in _trace_chain()}
+    if any(
+        isinstance(const, _jax_pe.DynamicJaxprTracer) and id(const._trace) not in running
+        for const in closed.consts
+    ):
+        raise TypeError(
+            f"grad rule {name} closes over a value traced by a jax.jit or a loop body "
+            f"(jax.lax.scan, fori_loop...) around the call, and is differentiated from "
+            f"outside that jit or loop: JAX traces the rule's forward pass there, where "
+            f"that value no longer exists. Pass the value as a keyword argument of the "
+            f"rule (`rule(x, scale=scale)`: it is not differentiated), or as a positional "
+            f"argument if its gradient is wanted."
+        )
+    return jax.tree.unflatten(tree[0], jaxpr_as_fun(closed)(*jax.tree.leaves(inputs)))
+
+
+def _is_differentiated(value: Any) -> bool:
+    """Whether `value` is a tracer of a differentiation, or holds one (a vmap's tracer)."""
+    for _ in range(1000):
+        if not isinstance(value, jax.core.Tracer):
+            return False
+        if isinstance(value._trace, (_jax_ad.JVPTrace, _jax_ad.LinearizeTrace)):
+            return True
+        value = getattr(value, "val", None)  # a batching tracer holds its value
+    return False
+
+
+def _differentiating() -> bool:
+    """Whether a differentiation (`jax.grad`, `jax.vjp`, `jax.jvp`...) is tracing here."""
+    return any(
+        isinstance(trace, (_jax_ad.JVPTrace, _jax_ad.LinearizeTrace)) for trace in _trace_chain()
+    )
+
+
+def _trace_chain() -> list[Any]:
+    trace = _jax_core.trace_ctx.trace
+    chain: list[Any] = []
+    while trace is not None and len(chain) < 1000:
+        chain.append(trace)
+        trace = getattr(trace, "parent_trace", None)
+    return chain
+
+
+def _closure_error(name: str, where: str) -> TypeError:
+    return TypeError(
+        f"grad rule {name}: {where} uses a value that is being differentiated (by jax.grad, "
+        f"jax.vjp, jax.jvp... around the call) but is not one of its positional arguments: "
+        f"the rule closes over it. A grad rule gives the gradient with respect to its "
+        f"positional arguments only, so pass that value as a positional argument (and "
+        f"return its cotangent from the pullback), or wrap it in jax.lax.stop_gradient "
+        f"where the rule is called if it is a constant to the rule."
+    )
+
+
 def _kind(value: Any) -> str:
     """How a message names a value: an array by its type, anything else by its type and repr."""
     if isinstance(value, jax.Array | np.ndarray):
         return f"an array {jax.typeof(value).str_short()}"
+    if isinstance(value, tuple | list | dict):  # what they hold may be tracers: not shown
+        return type(value).__name__
     text = repr(value)
     return f"{type(value).__name__} {text}" if len(text) <= 40 else type(value).__name__

@@ -104,9 +104,14 @@ def check_gradients(
     `check_gradients` there. In 16-bit dtypes only gross errors (a missing term, a wrong
     sign) show. A model that computes in a lower precision than its arrays and outputs show
     needs looser tolerances passed. At a point where the model is not differentiable (a relu
-    at 0, tied maxima of a max-pool) finite differences mean nothing; such points have
-    probability zero, but a step that crosses one, near it, spoils the difference: another
-    `seed`, or a smaller `eps`, moves off it.
+    at 0, a `jnp.where` switch, tied maxima), or within a step of one, finite differences
+    mean nothing. When a derivative disagrees, the one-sided differences ``(4 L(x + h v) -
+    L(x + 2h v) - 3 L(x)) / 2h`` and its mirror, from the evaluations already made, tell
+    which: if they differ by more than autodiff differs from the central difference (and the
+    tolerance), or agree with autodiff but not with the central difference (a derivative of
+    the model jumps there), the array is reported as at a non-differentiable point, with
+    both slopes, not as a wrong derivative: check elsewhere, perturb the inputs, or leave it
+    out with `wrt`/`inputs`.
 
     Skipped: integer, boolean and complex variables and inputs, and Python scalars among the
     inputs (held fixed, as are the keyword arguments). Mutable collections (``batch_stats``)
@@ -143,7 +148,9 @@ def check_gradients(
 
     Raises:
         AssertionError: A derivative disagrees with finite differences; the message names
-            every array that disagrees, with both values, the tolerance and its parts.
+            every array that disagrees, with both values, the tolerance and its parts, and
+            apart from them every array whose point looks non-differentiable, with its
+            one-sided slopes.
         ValueError: A collection that `variables` lacks, a mask naming paths it lacks, an
             input position out of range, nothing to check, outputs without a float array
             (pass `loss`), or a bad `order`, `modes`, `eps`, `atol` or `rtol`.
@@ -195,7 +202,7 @@ def check_gradients(
     outputs = jax.eval_shape(problem.outputs, problem.xs, problem.rest, rngs)
     problem.loss = _default_loss(outputs, seed) if loss is None else _user_loss(loss)
     tolerance = _Tolerance.of(problem.xs, outputs, given)
-    failures: list[tuple[str, str]] = []
+    failures: list[_Failure] = []
     for mode in modes:
         rng = np.random.default_rng(seed)
         function: Function = problem.evaluate
@@ -207,19 +214,43 @@ def check_gradients(
                 function = _projected_gradient(function, problem.xs, mode, rng)
                 described += f" (order {level + 1}: the derivative of <grad, w>)"
     if failures:
-        names = dict.fromkeys(name for name, _ in failures)
-        raise AssertionError(
-            f"{what}: autodiff disagrees with finite differences for {', '.join(names)}:\n  "
-            + "\n  ".join(line for _, line in failures)
+        raise AssertionError(_report(failures))
+    return tuple(leaf.name for leaf in problem.leaves)
+
+
+def _report(failures: list[_Failure]) -> str:
+    """The message: wrong derivatives first, then the arrays at a non-differentiable point."""
+    kinks = dict.fromkeys(f.name for f in failures if f.kink)
+    # An array is at a kink if any check of it (any mode, any order) says so.
+    wrong = dict.fromkeys(f.name for f in failures if f.name not in kinks)
+    parts = []
+    if wrong:
+        parts.append(
+            f"lm.check_gradients: autodiff disagrees with finite differences for "
+            f"{', '.join(wrong)}:\n  "
+            + "\n  ".join(f.line for f in failures if f.name in wrong)
             + "\nA derivative passes when |autodiff - numerical| <= atol * scale + rtol * "
             "|numerical|, scale being the size of the loss's rounding error; eps, atol and rtol "
             "default per working dtype (the least precise of the checked arrays' and the "
-            "outputs'). If the gradient rule is right, the model may not be differentiable "
-            "here (a relu at 0, tied maxima) or rounding may dominate: check in float64 (a "
-            "model built with dtype=jnp.float64 inside jax.enable_x64(True)), or try another "
-            "eps or seed."
+            "outputs'). The one-sided differences agree with each other there, so the model "
+            "looks differentiable and its derivative rule wrong; if the rule is right, rounding "
+            "may dominate: check in float64 (a model built with dtype=jnp.float64 inside "
+            "jax.enable_x64(True)), or try another eps or seed."
         )
-    return tuple(leaf.name for leaf in problem.leaves)
+    if kinks:
+        listed = ", ".join(kinks)
+        parts.append(
+            f"lm.check_gradients: the model looks non-differentiable at this point for "
+            f"{listed} (a relu or abs at 0, a jnp.where switch, tied maxima within a step of "
+            f"the point), or its derivative does: the one-sided finite differences disagree "
+            f"with each other or with the central one, so finite differences cannot check "
+            f"autodiff there:\n  "
+            + "\n  ".join(f.line for f in failures if f.kink)
+            + "\nCheck at another point (other inputs or variables), perturb the inputs "
+            "(e.g. add small noise to exact zeros or ties), or leave these arrays out: wrt= "
+            "for variables (lm.mask(model, variables, filter)), inputs= for inputs."
+        )
+    return "\n".join(parts)
 
 
 Function = Callable[[list, list, Any], tuple[jax.Array, jax.Array]]
@@ -340,46 +371,61 @@ class _Check:
         )
         return float(value), float(scale), derivative
 
-    def run(self, rng: np.random.Generator) -> list[tuple[str, str]]:
-        """The failures: ``(name, line)`` for each array whose derivative disagrees."""
+    def run(self, rng: np.random.Generator) -> list[_Failure]:
+        """The failures: one for each array whose derivative disagrees.
+
+        An array is reported as not differentiable here when along any direction its
+        one-sided slopes disagree (`_compare`): finite differences then mean nothing there,
+        along the other direction too.
+        """
         xs = self.problem.xs
+        self.value: float | None = None  # the loss at xs: the one-sided differences' centre
         if self.mode == "rev":
-            grads = [np.asarray(g, np.float64) for g in self.evaluate(xs)[2]]
+            self.value, _, grads = self.evaluate(xs)
+            grads = [np.asarray(g, np.float64) for g in grads]
         failures = []
         for i, leaf in enumerate(self.problem.leaves):
             x = np.asarray(xs[i])
             gradient = grads[i] if self.mode == "rev" else None
-            worst = None
+            worst: tuple[bool, float, str] | None = None
             for direction, along in _directions(rng, x.shape, gradient):
                 result = self._compare(i, x, direction, gradient)
-                if result is not None and (worst is None or result[0] > worst[0]):
-                    worst = (result[0], f"along {along} {result[1]}")
+                if result is not None:
+                    found = (result[0], result[1], f"along {along} {result[2]}")
+                    if worst is None or found[:2] > worst[:2]:
+                        worst = found
             if worst is not None:
-                failures.append((leaf.name, f"{leaf.name}{self.described}: {worst[1]}"))
+                line = f"{leaf.name}{self.described}: {worst[2]}"
+                failures.append(_Failure(leaf.name, line, kink=worst[0]))
         return failures
 
     def _compare(
         self, i: int, x: np.ndarray, direction: np.ndarray, gradient: np.ndarray | None
-    ) -> tuple[float, str] | None:
-        """None if the derivatives along `direction` agree, else (how far off, the message).
+    ) -> tuple[bool, float, str] | None:
+        """None if the derivatives along `direction` agree, else (kink, how far off, message).
 
         `gradient` is the autodiff gradient of array `i` (rev); fwd computes a JVP instead.
+        When they disagree, the one-sided slopes tell a point where the loss is not
+        differentiable along `direction` (`kink`: they differ) from a wrong derivative at a
+        smooth point (they agree with each other and with the central difference); they reuse
+        the evaluations made, so a passing check costs nothing more.
         """
         xs = self.problem.xs
         rms = math.sqrt(float(np.mean(np.square(x, dtype=np.float64)))) if x.size else 0.0
         allowed = self.tolerance
         step = allowed.eps * max(1.0, rms)
         # Richardson extrapolation: (4 D(h) - D(2h)) / 3 cancels the h**2 error of D(h)
-        narrow, taken_narrow, scale_narrow = self._central_difference(i, x, direction, step)
-        wide, taken_wide, scale_wide = self._central_difference(i, x, direction, 2 * step)
-        numerical = (4 * narrow - wide) / 3
-        taken = (4 * taken_narrow - taken_wide) / 3
-        scale = max(scale_narrow, scale_wide)
+        narrow = self._central_difference(i, x, direction, step)
+        wide = self._central_difference(i, x, direction, 2 * step)
+        numerical = (4 * narrow.slope - wide.slope) / 3
+        taken = (4 * narrow.taken - wide.taken) / 3
+        scale = max(narrow.scale, wide.scale)
         if gradient is not None:
             autodiff = float(np.sum(gradient * taken))
         else:
             tangent = jnp.asarray(taken, x.dtype)
-            autodiff = float(self.evaluate(xs, _replace(self.zeros, i, tangent))[2])
+            self.value, _, derivative = self.evaluate(xs, _replace(self.zeros, i, tangent))
+            autodiff = float(derivative)
         tolerance = allowed.atol * scale + allowed.rtol * abs(numerical)
         difference = abs(autodiff - numerical)
         if difference <= tolerance:
@@ -387,17 +433,54 @@ class _Check:
         off = (
             math.inf if tolerance == 0 or not math.isfinite(difference) else difference / tolerance
         )
-        return off, (
+        assert self.value is not None
+        # One-sided differences from L(x), Richardson-extrapolated: (4 L(x + h v) - L(x + 2h v)
+        # - 3 L(x)) / 2h and its mirror. Both are f' + O(h**2) with the same h**2 term, so at a
+        # smooth point they differ by O(h**3) and rounding; across a kink they differ by its
+        # jump. A wrong derivative at a smooth point leaves them together, |above - below|
+        # below the disagreement |autodiff - numerical|; a kink that autodiff resolves to one
+        # side puts them twice that apart, and a jump (a switch) further still.
+        centre = self.value
+        above = (4 * narrow.upper - wide.upper - 3 * centre) / (2 * step)
+        below = (3 * centre - 4 * narrow.lower + wide.lower) / (2 * step)
+        gap = abs(above - below)
+        # The gap's own rounding error: the six evaluations' weights add up to 8 / h.
+        rounding = 8 * float(jnp.finfo(allowed.dtype).eps) * scale / step
+        limit = max(tolerance, difference, rounding)
+        slopes = (
+            f"the slope is {above:.6g} from above (x + h v) and {below:.6g} from below "
+            f"(x - h v) by one-sided finite differences"
+        )
+        steps = f"(step h {step:.3g}, eps {allowed.eps:g})"
+        if not gap <= limit:  # NaN included: nothing is smooth there
+            apart = gap / limit if math.isfinite(gap) else math.inf
+            message = (
+                f"{slopes}; they differ by {gap:.3g}, more than autodiff ({self.mode}: "
+                f"{autodiff:.6g}) differs from the central difference ({numerical:.6g}) {steps}"
+            )
+            return True, apart, message
+        # The slopes agree, and autodiff with them, but not the central difference: its error
+        # is of order h (not h**4), a derivative of the model jumps within 2h of the point.
+        mean = (above + below) / 2
+        if abs(numerical - mean) > max(abs(autodiff - mean), rounding / 2):
+            message = (
+                f"{slopes}, as by autodiff ({self.mode}: {autodiff:.6g}), but {numerical:.6g} "
+                f"by central differences: the model's derivative looks non-differentiable "
+                f"here {steps}"
+            )
+            return True, off, message
+        message = (
             f"the derivative is {autodiff:.6g} by autodiff ({self.mode}) and {numerical:.6g} by "
             f"finite differences; difference {difference:.3g} > tolerance {tolerance:.3g} "
             f"({allowed.dtype}: atol {allowed.atol:g} x scale {scale:.3g} + rtol "
             f"{allowed.rtol:g} x |numerical|; eps {allowed.eps:g})"
         )
+        return False, off, message
 
     def _central_difference(
         self, i: int, x: np.ndarray, direction: np.ndarray, step: float
-    ) -> tuple[float, np.ndarray, float]:
-        """The central difference, the step it took over 2h, and the loss's rounding scale.
+    ) -> _Difference:
+        """The central difference with step `step`, and what went into it.
 
         The step taken is ``x + h v`` minus ``x - h v`` after rounding to x's dtype: the
         derivative is compared along it, not along the `v` asked for.
@@ -408,7 +491,26 @@ class _Check:
         taken = (plus.astype(np.float64) - minus.astype(np.float64)) / (2 * step)
         upper, upper_scale, _ = self.evaluate(_replace(xs, i, jnp.asarray(plus)))
         lower, lower_scale, _ = self.evaluate(_replace(xs, i, jnp.asarray(minus)))
-        return (upper - lower) / (2 * step), taken, max(upper_scale, lower_scale)
+        slope = (upper - lower) / (2 * step)
+        return _Difference(slope, taken, max(upper_scale, lower_scale), upper, lower)
+
+
+class _Difference(NamedTuple):
+    """A central difference ``(L(x + h v) - L(x - h v)) / 2h`` and its parts."""
+
+    slope: float
+    taken: np.ndarray  # the step taken (after rounding to x's dtype) over 2h
+    scale: float  # the loss's rounding scale, the larger of the two evaluations'
+    upper: float  # L(x + h v)
+    lower: float  # L(x - h v)
+
+
+class _Failure(NamedTuple):
+    """An array whose derivative disagrees, and the line that says how."""
+
+    name: str
+    line: str
+    kink: bool  # its one-sided slopes disagree: it looks non-differentiable here
 
 
 def _directions(

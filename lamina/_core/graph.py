@@ -4,6 +4,8 @@ Every feature that needs to know what a model holds (transform, assign_variables
 summary, sharding, io) asks a `Plan` instead of walking the objects itself. The walk follows
 attributes in insertion order, then list/tuple items and dict entries, and meets each `Module`
 and `State` once: an object reachable by two paths (weight tying) belongs to its first path.
+A `Stack` adds a leading axis to every variable reached through it (`StackedAxis`): the stored
+layout is the plan's, and the user's declarations keep their declared shapes.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ import sys
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
 from .errors import Key, Path, format_path
-from .module import Module
+from .module import Module, running_module
 from .variables import State
 
 Node = Module | State
@@ -54,6 +56,27 @@ def deep_recursion() -> Iterator[None]:
         sys.setrecursionlimit(old)
 
 
+class StackedAxis(NamedTuple):
+    """A leading axis that an enclosing module (a `Stack`) stores the variables below it with.
+
+    A module class declares one by defining
+    ``_lamina_stacked_axis(self) -> (size, name, attributes)``: the walk adds the axis to
+    everything reached through the named attributes (a `Stack`'s ``("block",)``), and only
+    those; the module's other attributes (a subclass's own layers) keep their layout.
+
+    Attributes:
+        size: The axis's length (the number of copies).
+        name: Its logical axis name for `lm.shardings`, or None.
+        path: The path of the module that adds it.
+        owner: That module.
+    """
+
+    size: int
+    name: str | None
+    path: Path
+    owner: Any
+
+
 def walk(root: Any) -> Iterator[tuple[Path, Node]]:
     """Yields ``(path, node)`` for every `Module` and `State` under `root`, each once.
 
@@ -63,19 +86,61 @@ def walk(root: Any) -> Iterator[tuple[Path, Node]]:
     Yields:
         The path from `root` (attribute names and dict keys as ``str``, list and tuple indices
         as ``int``) and the object, depth first, in attribute insertion order.
+
+    Raises:
+        ValueError: An object is reached both inside and outside a `Stack` (or inside two).
     """
-    seen: set[int] = set()
+    for path, node, _ in walk_stacked(root):
+        yield path, node
+
+
+def walk_stacked(
+    root: Any, outer: tuple[StackedAxis, ...] = ()
+) -> Iterator[tuple[Path, Node, tuple[StackedAxis, ...]]]:
+    """`walk`, with the stacked axes each node lies under (outermost first).
+
+    A module whose class defines ``_lamina_stacked_axis`` (`Stack`) adds one axis to every
+    node reached through the attributes that hook names (a Stack's ``block``), and to no
+    other. The stored layout of a variable is those axes in front of its declared shape: it
+    belongs to the plan, the declarations stay as the user made them. An object met again
+    must lie under the same stacking modules: one reached inside a `Stack` and outside it,
+    or inside two, would need two layouts at once, which is an error naming both paths.
+
+    Args:
+        root: A module (or a container of modules).
+        outer: Axes that `root` itself lies under (a `Stack`'s block planned on its own as
+            part of a model: `take_variables`).
+
+    Yields:
+        ``(path, node, axes)``.
+    """
+    seen: dict[int, tuple[Path, tuple[StackedAxis, ...]]] = {}
     open_containers: set[int] = set()
 
-    def visit(path: Path, node: Any) -> Iterator[tuple[Path, Node]]:
+    def visit(
+        path: Path, node: Any, axes: tuple[StackedAxis, ...]
+    ) -> Iterator[tuple[Path, Node, tuple[StackedAxis, ...]]]:
         if isinstance(node, (Module, State)):
-            if id(node) in seen:
+            first = seen.get(id(node))
+            if first is not None:
+                if _owners(first[1]) != _owners(axes):
+                    raise _stacked_twice(node, first, (path, axes))
                 return
-            seen.add(id(node))
-            yield path, node
+            seen[id(node)] = (path, axes)
+            yield path, node, axes
             if isinstance(node, State):
                 return
             _check_class_attributes(path, node)
+            stacked = getattr(type(node), "_lamina_stacked_axis", None)
+            if stacked is not None:
+                size, name, attributes = stacked(node)
+                inner = (*axes, StackedAxis(size, name, path, node))
+                open_containers.add(id(node))
+                for key, child in children(node):
+                    if type(child) not in _SETTINGS:
+                        yield from visit((*path, key), child, inner if key in attributes else axes)
+                open_containers.discard(id(node))
+                return
         elif isinstance(node, (list, tuple, dict)):
             if id(node) in open_containers:
                 return  # a container that holds itself
@@ -86,10 +151,35 @@ def walk(root: Any) -> Iterator[tuple[Path, Node]]:
         for key, child in children(node):
             if type(child) in _SETTINGS:
                 continue  # nothing to find or refuse in it: skip a generator per setting
-            yield from visit((*path, key), child)
+            yield from visit((*path, key), child, axes)
         open_containers.discard(id(node))
 
-    yield from visit((), root)
+    yield from visit((), root, tuple(outer))
+
+
+def _owners(axes: tuple[StackedAxis, ...]) -> tuple[int, ...]:
+    return tuple(id(axis.owner) for axis in axes)
+
+
+def _stacked_twice(
+    node: Node,
+    first: tuple[Path, tuple[StackedAxis, ...]],
+    again: tuple[Path, tuple[StackedAxis, ...]],
+) -> ValueError:
+    def where(path: Path, axes: tuple[StackedAxis, ...]) -> str:
+        if not axes:
+            return f"{format_path(path)} (outside any Stack)"
+        inside = " and ".join(
+            f"the {type(axis.owner).__name__} at {format_path(axis.path)}" for axis in axes
+        )
+        return f"{format_path(path)} (inside {inside})"
+
+    return ValueError(
+        f"the {type(node).__name__} at {where(*first)} is also reached at {where(*again)}. "
+        f"A Stack stores every variable of its block with one leading axis per copy, so an "
+        f"object inside it cannot also be used outside it or in another Stack. Give each use "
+        f"its own object (copy.deepcopy(block) for a fresh copy), or share the whole Stack."
+    )
 
 
 # Types of most module attributes (sizes, flags, names): they hold no submodules or
@@ -209,9 +299,10 @@ class VariableEntry:
         path: Keys from the model root to the declaration (list indices as ``int``).
         state: The declaration.
         key: Its leaf key in the variables dict: ``(collection, *path as str)``.
-        axes: Sizes of the axes stored in front of the declared shape (a `Stack`'s depth, a
-            vmapped ensemble's members); empty for a plain variable. Everything that checks
-            shapes reads `shape`, never ``state.shape``.
+        axes: Sizes of the axes stored in front of the declared shape: the depth of each
+            `Stack` the variable lies in, outermost first (found by the walk, never written on
+            the declaration); empty for a plain variable. Everything that checks shapes reads
+            `shape`, never ``state.shape``.
         axis_names: The logical name of each of `axes` (``Stack(..., depth_sharding=...)``),
             None for an unnamed one; as long as `axes`.
     """
@@ -262,9 +353,15 @@ class Plan:
         treedef: The tree structure of a valid variables dict.
         shapes: The stored shape of each variable, in the same order.
         index: Position of each variable, by its `VariableEntry.key`.
+
+    Args:
+        root: The module to plan.
+        outer: The stacked axes `root` lies under in a larger model (`StackedAxis`, outermost
+            first; `Plan.stacked_axes` of that model's plan), so that the entries have the
+            layout the model stores; empty (the default): `root` as a model of its own.
     """
 
-    def __init__(self, root: Module):
+    def __init__(self, root: Module, outer: tuple[StackedAxis, ...] = ()):
         if not isinstance(root, Module):
             raise TypeError(
                 f"expected an lm.Module, got {type(root).__name__}. Models are defined by "
@@ -274,18 +371,21 @@ class Plan:
         modules: list[tuple[Path, Module]] = []
         declared: list[VariableEntry] = []
         skeleton: dict[str, Any] = {}
+        stacked: dict[int, tuple[StackedAxis, ...]] = {}
         with deep_recursion():
-            for path, node in walk(root):
+            for path, node, axes in walk_stacked(root, outer):
                 _check_path(path)
                 if isinstance(node, Module):
                     modules.append((path, node))
+                    if axes:
+                        stacked[id(node)] = axes
                     continue
                 key = (node.collection, *(str(k) for k in path))
                 _insert(skeleton, key, len(declared), declared)
-                axes = tuple(node._lamina_axes)
-                names = _axis_names(node, len(axes))
-                declared.append(VariableEntry(path, node, key, axes, names))
-        order, treedef = jax.tree_util.tree_flatten(skeleton)
+                sizes = tuple(axis.size for axis in axes)
+                names = tuple(axis.name for axis in axes)
+                declared.append(VariableEntry(path, node, key, sizes, names))
+            order, treedef = jax.tree_util.tree_flatten(skeleton)  # as deep as the model
         self.treedef: jax.tree_util.PyTreeDef = treedef
         self.modules = tuple(modules)
         self.declared = tuple(declared)
@@ -294,6 +394,15 @@ class Plan:
         self.index = {entry.key: i for i, entry in enumerate(self.variables)}
         self._slots_of: dict[int, tuple[int, ...]] = {}
         self._module_paths: dict[int, Path] | None = None
+        self._stacked = stacked
+
+    def stacked_axes(self, module: Module) -> tuple[StackedAxis, ...]:
+        """The stacked axes that `module` (one of this plan's) lies under, outermost first.
+
+        Every variable reached through `module` is stored with these axes in front of its
+        declared shape (and any further ones of Stacks inside `module`).
+        """
+        return self._stacked.get(id(module), ())
 
     def module_paths(self) -> dict[int, Path]:
         """``{id(module): path}`` for every module of the plan (built once)."""
@@ -332,6 +441,82 @@ class Plan:
             entry.state._lamina_plan = self
             entry.state._lamina_slot = slot
             entry.state._lamina_path = entry.path
+            entry.state._lamina_stacked = bool(entry.axes)
+
+    def check_one_copy(self, frame: Any, slot: int) -> None:
+        """Raises unless `frame` holds one copy of the stacked variable at `slot`.
+
+        A variable inside a `Stack` is stored with one leading axis per copy. Its value can be
+        read only where those axes are mapped away: inside the Stack's own call, or inside
+        `lm.vmap`/`lm.scan` over the block with axis 0. Elsewhere a read would hand the
+        block's code every copy at once, and it would compute with all of them silently
+        (``x * g`` broadcasts). The hazard is the block's own code only: a read from a
+        method of a module outside the held Stacks' blocks (the Stack's parent computing a
+        weight penalty, the root) or from no module's method gets the stored value, every
+        copy as one array. `State.value` calls this only for variables that `bind` marked as
+        stacked, so other reads pay nothing for it.
+
+        Args:
+            frame: The frame the variable is read in (`frame.Frame`): a top-level call holds
+                every stacked axis; a lifted transform's nested frame counts those it still
+                holds per slot (``frame.shapes.stacked``).
+            slot: The variable's slot.
+
+        Raises:
+            ValueError: The frame holds stacked axes of the variable, naming the variable,
+                its stored layout and the ways to run one copy.
+        """
+        counts = getattr(frame.shapes, "stacked", None)
+        entry = self.variables[slot]
+        left = len(entry.axes) if counts is None else counts[slot]
+        if not left:
+            return
+        owners = self._stacked_owners(entry)
+        if not self._copies_run_here(owners[len(owners) - left :] if owners else ()):
+            return
+        stack = "its Stack"
+        if len(owners) >= left:
+            owner = owners[len(owners) - left]
+            stack = f"the {type(owner.owner).__name__} at '{format_path(owner.path)}'"
+        raise ValueError(
+            f"{type(entry.state).__name__} at {entry.name} is stored as {entry.shape} "
+            f"(stacked axes {entry.axes} in front of its declared shape {entry.state.shape}), "
+            f"and here it still holds {left} of those axes, shape {tuple(frame.shapes[slot])}: "
+            f"reading it would hand the block every copy of {stack} at once, and its code "
+            f"would compute with all of them. A Stack's block runs on one copy: call it "
+            f"through the Stack (stack(x)), or map the copies with lm.vmap or lm.scan over "
+            f"the block with axis 0 (lm.vmap(lambda m, x: m(x), in_axes=(0, None))"
+            f"(stack.block, x) for an ensemble). For every copy as arrays, read the "
+            f"variables dict outside the call."
+        )
+
+    def _copies_run_here(self, held: tuple[StackedAxis, ...]) -> bool:
+        """Whether the running method is code of a block that `held` stacks (or unknown).
+
+        The module whose method is running (`module.running_module`) runs once per copy when
+        it lies under one of the stacked axes `held` still holds: reading with those axes
+        would hand its code every copy. A module outside them (the Stack's parent, the root)
+        reads the variable as stored, every copy as one array, as the variables dict holds it;
+        so does a read while no module's method runs. When the Stacks of `held` are not
+        known, any module's code counts as the block's.
+        """
+        module = running_module(self.module_paths())
+        if module is None:
+            return False
+        if not held:
+            return True
+        paths = {axis.path for axis in held}
+        return any(axis.path in paths for axis in self.stacked_axes(module))
+
+    def _stacked_owners(self, entry: VariableEntry) -> tuple[StackedAxis, ...]:
+        """The stacked axes of `entry` with the Stacks that add them (for messages)."""
+        deepest: tuple[StackedAxis, ...] = ()
+        for path, module in self.modules:
+            if entry.path[: len(path)] == path and len(path) < len(entry.path):
+                axes = self.stacked_axes(module)
+                if len(axes) > len(deepest):
+                    deepest = axes
+        return deepest
 
     def init_salt(self, entry: VariableEntry) -> int:
         """The number folded into the init key for `entry`: a hash of its key tuple.
@@ -344,15 +529,6 @@ class Plan:
             len(raw).to_bytes(4, "little") + raw for raw in (part.encode() for part in entry.key)
         )
         return zlib.crc32(encoded) | 0x80000000
-
-
-def _axis_names(state: State, count: int) -> tuple[str | None, ...]:
-    """The logical names of `state`'s `count` leading axes (set by `Stack`), None if unnamed."""
-    # the instance dict, not getattr: a declaration's __getattr__ would build an error
-    # message for every variable that has no names (almost all)
-    names = tuple(vars(state).get("_lamina_axis_names", ()))
-    padded = (None,) * count + names
-    return padded[len(padded) - count :]
 
 
 def _insert(skeleton: dict, key: FlatKey, value: int, declared: list[VariableEntry]) -> None:

@@ -141,12 +141,16 @@ def check_variables(
     if unexpected:
         problems.append(f"unexpected ({len(unexpected)}): {format_list(unexpected)}")
     wrong = []
+    stacked: tuple[int, ...] | None = None  # extra leading axes: a Stack's block, every copy
     for entry in plan.variables:
         if entry.key in flat:
             leaf = flat[entry.key]
             got = tuple(leaf.shape) if hasattr(leaf, "shape") else _shape_of(leaf)
             if got != entry.shape:
                 wrong.append(f"{entry.name}: expected {entry.shape}, got {got}")
+                lead = len(got) - len(entry.shape)
+                if isinstance(got, tuple) and lead > 0 and got[lead:] == entry.shape:
+                    stacked = got[:lead]
     if wrong:
         problems.append(f"wrong shape ({len(wrong)}): {format_list(wrong, limit=5)}")
     if dtypes:
@@ -161,6 +165,13 @@ def check_variables(
     if not problems:
         return
     model = type(plan.root).__name__
+    if hint is None and stacked is not None and not missing and not unexpected:
+        hint = (
+            f"The arrays have the leading axes {stacked} in front of the shapes {model} "
+            f"declares: that is how a Stack stores its block (every copy at once, as "
+            f"take_variables(model, variables, stack.block) returns them). {model} alone runs "
+            f"one copy: pass jax.tree.map(lambda a: a[i], variables) for copy i."
+        )
     hint = hint or (
         "Pass the dict that init (or a previous apply) returned for this same model; after "
         "changing the model, run init again or carry weights over with lm.assign_variables."

@@ -5,7 +5,11 @@ declare, passed to `apply` among the variables (``{**variables, "intermediates":
 *request*: `sow` and `perturb` record into it, and `apply` returns it in the new variables.
 Without the request they do nothing (the traced program is the same as without the call).
 
-A record's key is the recording module's path plus its name; the collection is returned as a
+A record's key is the recording module's path plus its name (the recording module is the
+innermost one whose method is running, found on the Python stack by the methods' code objects,
+so calling a module costs nothing extra; a method is any function among the attributes of the
+module's classes, including one assigned to a class after it was created); the collection is
+returned as a
 nested dict like the variables (``{"intermediates": {"layer1": {"h": (array,)}}}``). Entries
 given in a requested collection are inputs: `sow` reduces into them, `perturb` adds them;
 every given entry must be used, so a misspelt collection name is an error, not ignored data.
@@ -24,7 +28,7 @@ import numpy as np
 
 from .errors import VariablesError, format_path
 from .frame import current_frame, require_frame
-from .module import CALL_CODES, Module
+from .module import CALL_CODES, Module, register_calls, running_module
 
 Key = tuple  # a module's path plus the record's name
 
@@ -214,24 +218,30 @@ def _record_key(plan: Any, name: str, what: str) -> Key:
     """The key of record `name` made by the calling module: its path, then the name."""
     if not isinstance(name, str) or not name or "/" in name:
         raise ValueError(f"{what}: a record's name is a non-empty str without '/', got {name!r}.")
-    return (*_calling_module(plan, what)._lamina_path, name)  # type: ignore[misc]
+    return (*_calling_module(plan, name, what)._lamina_path, name)  # type: ignore[misc]
 
 
-def _calling_module(plan: Any, what: str) -> Module:
-    """The module whose method called `what`.
+def _calling_module(plan: Any, name: str, what: str) -> Module:
+    """The module whose method is running: the innermost on the stack, of `plan`'s modules.
 
-    That is the nearest caller frame whose ``self`` is a module of `plan`.
+    A method is a function among the attributes of the module's class (or of a class it
+    inherits from), known by its code object: those of the class body are registered when the
+    class is created (`module.METHOD_CODES`); a frame whose first parameter holds a module of
+    the plan and whose code is not registered is looked up in that module's classes as they
+    are now (`module.method_of`), so a method assigned to the class later counts too. The
+    module is what its first parameter holds. Other functions on the way (a closure, a
+    lambda, a helper given a module, JAX's own frames under a transform) are passed over,
+    so a closure that a parent hands to a child records under the child, wherever it was
+    defined.
     """
-    paths = plan.module_paths()
-    frame = sys._getframe(3)  # _calling_module <- _record_key <- sow <- the caller
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Module) and id(candidate) in paths:
-            return candidate
-        frame = frame.f_back  # type: ignore[assignment]
+    module = running_module(plan.module_paths())
+    if module is not None:
+        return module
     raise RuntimeError(
-        f"{what} is called from a module's method: no method of a module of the model "
-        f"being applied is running."
+        f"{what}({name!r}) ran while no method of a module of the model being applied was "
+        f"running (a function given to lm.transform's to_callable, or a method attached to "
+        f"one module object rather than to its class?): a record belongs to the module "
+        f"whose method calls it. Call {what} inside a method of a Module subclass."
     )
 
 
@@ -256,6 +266,13 @@ def sow(
     else ``init_fn()``: by default a tuple that grows by one value per call, so a module called
     twice records two values. Inside `lm.vmap` and `lm.scan` (and so `lm.Stack`) the records
     come out with the transform's axis in front.
+
+    The record belongs to the innermost module whose method is running when `sow` runs (a
+    method: a function among the attributes of a Module subclass, or of a class it inherits
+    from, `__call__` or any other, whether defined in the class body or assigned to the
+    class later). A function that is not a method records under the module whose method
+    called it: a closure that a parent defines and hands to a child
+    records under the child, whatever names the closure uses.
 
     Args:
         name: The record's name under the module's path.
@@ -302,6 +319,8 @@ def perturb(name: str, x: Any, *, collection: str = "perturbations") -> Any:
     the intermediate `x`. Pass ``{"perturbations": {}}`` among the variables to create zeros
     (returned in the new variables); pass them back and differentiate with respect to that
     collection. Without the collection, `x` is returned as it is. (`probe` does it all.)
+    The perturbation belongs to the module whose method is running, by `sow`'s rule (the
+    innermost; a closure called inside a child's method perturbs under the child).
 
     Args:
         name: The perturbation's name under the calling module's path.
@@ -412,6 +431,7 @@ def capture_intermediates(
         if isinstance(variables, Mapping) and collection not in variables:
             variables = {**variables, collection: {}}
         previous, profiler = CAPTURE.request, sys.getprofile()
+        register_calls()  # a __call__ assigned to a class after it was created
         CAPTURE.request = (collection, predicate)
         sys.setprofile(_watch_calls)
         try:
@@ -429,9 +449,12 @@ def _watch_calls(frame: Any, event: str, arg: Any) -> None:
     A profile function (`sys.setprofile`), for this thread only and only while a captured
     apply runs: modules cost nothing extra otherwise.
     """
-    if event not in ("call", "return") or frame.f_code not in CALL_CODES:
+    if event not in ("call", "return") or id(frame.f_code) not in CALL_CODES:
         return
-    module = frame.f_locals.get("self")
+    code = frame.f_code
+    module = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+    if not isinstance(module, Module):
+        return  # a decorator's wrapper (`*args`) around a __call__: the inner call records
     call_frame = current_frame()
     records = None if call_frame is None else call_frame.records
     if records is None or records.capture is None or records.blocked is not None:

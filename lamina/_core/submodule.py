@@ -7,11 +7,16 @@ takes the slice out (re-rooted at the submodule, tied variables and `Stack` bloc
 and `put_variables` puts a new slice back. Both match the submodule's variables to the
 model's by object, through the two plans, so a variable tied into the submodule from outside
 is found under its first path in the model.
+
+The arrays keep the layout the model stores them in: a module inside a `Stack` comes with the
+stack's leading axis (every copy at once). ``lm.transform(stack.block)`` plans one copy, so
+run copy ``i`` on ``jax.tree.map(lambda a: a[i], sliced)``, or all of them in the model's
+own call (``lm.vmap``/``lm.scan`` over the block).
 """
 
 from __future__ import annotations
 
-from .errors import VariablesError, format_list
+from .errors import VariablesError, format_list, format_path
 from .graph import FlatKey, Plan
 from .layout import check_variables, flatten_variables, nest
 from .module import Module
@@ -20,7 +25,11 @@ from .types import Variables
 
 def _pairs(
     model: Module, submodule: Module, what: str
-) -> tuple[Plan, list[tuple[FlatKey, FlatKey]]]:
+) -> tuple[Plan, list[tuple[FlatKey, FlatKey]], str | None]:
+    """The submodule's plan in the model's layout, its keys paired with the model's keys.
+
+    Also the advice for a shape mismatch in `put_variables` (None: the default advice).
+    """
     plan = Plan(model)
     if id(submodule) not in plan.module_paths():
         raise ValueError(
@@ -28,16 +37,31 @@ def _pairs(
             f"{type(model).__name__} (pass an object reached from the model, such as "
             f"model.decoder, not a copy)."
         )
-    sub = Plan(submodule)
+    # The submodule's entries in the model's stored layout: a Stack's block keeps its axes.
+    outer = plan.stacked_axes(submodule)
+    sub = Plan(submodule, outer)
     key_of = {id(entry.state): entry.key for entry in plan.variables}
-    return sub, [(entry.key, key_of[id(entry.state)]) for entry in sub.variables]
+    pairs = [(entry.key, key_of[id(entry.state)]) for entry in sub.variables]
+    hint = None
+    if outer:
+        sizes = tuple(axis.size for axis in outer)
+        hint = (
+            f"The {type(submodule).__name__} lies inside the Stack at "
+            f"{format_path(outer[-1].path)}, so {type(model).__name__} stores its variables "
+            f"with the leading axes {sizes} (every copy at once): give arrays in that layout, "
+            f"as take_variables returns them (jnp.stack the copies)."
+        )
+    return sub, pairs, hint
 
 
 def take_variables(model: Module, variables: Variables, submodule: Module) -> Variables:
     """The variables of `submodule`, taken from the variables of `model` and re-rooted.
 
     The result is what ``lm.transform(submodule).init`` would return, with the model's arrays:
-    feed it to ``lm.transform(submodule).apply`` to run the submodule on its own.
+    feed it to ``lm.transform(submodule).apply`` to run the submodule on its own. The arrays
+    keep the model's stored layout: for a module inside a `Stack` (``stack.block``) each has
+    the stack's leading axis, one entry per copy, while ``lm.transform(stack.block)`` runs one
+    copy; take copy ``i`` with ``jax.tree.map(lambda a: a[i], sliced)``.
 
     Args:
         model: The model the variables belong to.
@@ -46,7 +70,7 @@ def take_variables(model: Module, variables: Variables, submodule: Module) -> Va
         submodule: A module reached from `model` (``model.decoder``, ``stack.block``).
 
     Returns:
-        ``{collection: nested dict}`` with the submodule's paths.
+        ``{collection: nested dict}`` with the submodule's paths, in the model's layout.
 
     Raises:
         ValueError: `submodule` is not part of `model`.
@@ -67,7 +91,7 @@ def take_variables(model: Module, variables: Variables, submodule: Module) -> Va
         >>> decode(decoder_variables, None, jnp.ones(2))[0].shape
         (4,)
     """
-    _, pairs = _pairs(model, submodule, "take_variables")
+    _, pairs, _ = _pairs(model, submodule, "take_variables")
     flat = flatten_variables(variables, "take_variables")
     missing = ["/".join(key) for _, key in pairs if key not in flat]
     if missing:
@@ -87,8 +111,9 @@ def put_variables(
         model: The model the variables belong to.
         variables: The model's variables (not changed: a new dict is returned).
         submodule: A module reached from `model`.
-        sub_variables: Variables of `submodule` alone (as `take_variables` or
-            ``lm.transform(submodule)`` give them); a subset is fine.
+        sub_variables: Variables of `submodule` alone, in the model's layout (as
+            `take_variables` gives them: with a `Stack`'s leading axis for a module inside
+            it); a subset is fine.
 
     Returns:
         A new variables dict for `model`.
@@ -106,10 +131,10 @@ def put_variables(
         >>> float(new["params"]["layers_1"]["kernel"].sum())
         0.0
     """
-    sub, pairs = _pairs(model, submodule, "put_variables")
+    sub, pairs, hint = _pairs(model, submodule, "put_variables")
     flat = flatten_variables(variables, "put_variables")
     given = flatten_variables(sub_variables, "put_variables (sub_variables)")
-    check_variables(sub, given, "put_variables", allow_missing=True)
+    check_variables(sub, given, "put_variables", allow_missing=True, hint=hint)
     for sub_key, key in pairs:
         if sub_key in given:
             flat[key] = given[sub_key]

@@ -100,10 +100,11 @@ def _check(where: str, state: State, value: Any, shape: tuple[int, ...]) -> None
             f"the variable holds shape {shape} here; compute a value of that shape."
         )
     check_cast(
-        value.dtype,
-        state.dtype,
+        value,
+        state.param_dtype,
         lambda: (
             f"{where}: the value substituted for {name} is {value.dtype}, but the "
-            f"variable is read as {state.dtype}"
+            f"variable is read as {state.dtype} and stored as {state.param_dtype}"
         ),
+        state.dtype,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .casting import check_cast, check_number, is_number
 from .copying import freeze
 from .errors import RngError, VariablesError, check_flags, format_list, format_path
 from .frame import Frame, PendingValues
@@ -53,6 +55,12 @@ def transform(
     """Turns a model into its pure functions `init` and `apply`.
 
     The model is copied first: editing `model` afterwards changes neither function.
+
+    A model nested more than a hundred modules deep gets `init` and `apply` that raise
+    Python's recursion limit while they run, and `transform` raises the process's limit
+    (never lowers it) to twice the depth plus 1000, so that JAX's own flattening of the
+    variables (``jax.jit(apply)``, ``jax.tree.map``) reaches the bottom: a thousand nested
+    modules work.
 
     Args:
         model: The model definition.
@@ -94,7 +102,38 @@ def transform(
     for path, module in plan.modules:
         freeze(module, format_path(path))
     fn = _resolve_callable(snapshot, to_callable)
-    return Transformed(_make_init(plan), _make_apply(plan, fn))
+    init, apply = _make_init(plan), _make_apply(plan, fn)
+    depth = _depth(plan)
+    if depth > DEEP:
+        init, apply = _deep(init), _deep(apply)
+        # JAX flattens the variables dict recursively (C++, under Python's limit) before
+        # lamina runs, in `jax.jit(apply)` or `jax.tree.map`: the limit must fit its depth.
+        sys.setrecursionlimit(max(sys.getrecursionlimit(), 2 * depth + 1000))
+    return Transformed(init, apply)
+
+
+# Module nesting beyond which init and apply raise Python's recursion limit while they run: a
+# call descends a few frames per module, and JAX flattens the variables dict recursively.
+DEEP = 100
+
+
+def _depth(plan: Plan) -> int:
+    return max((len(path) for path, _ in plan.modules), default=0)
+
+
+def _deep(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` run with Python's recursion limit raised (`graph.deep_recursion`).
+
+    Only models nested more than `DEEP` modules deep pay for it; ordinary ones get the
+    function itself.
+    """
+
+    @functools.wraps(function)
+    def deep(*args: Any, **kwargs: Any) -> Any:
+        with deep_recursion():
+            return function(*args, **kwargs)
+
+    return deep
 
 
 def _make_init(plan: Plan) -> Callable[..., Variables]:
@@ -152,7 +191,7 @@ class _InitGroup:
             )
             raise
         _check_initial(entries[0], stacked.shape[1:])
-        stacked = jnp.asarray(stacked, state.param_dtype)
+        stacked = _as_stored(entries[0], stacked)
         for slot, value in zip(self.slots, _unstack(stacked), strict=True):
             values[slot] = value
 
@@ -245,11 +284,14 @@ def _materialize(outputs: Any) -> Any:
 def _initial_value(entry: VariableEntry, key: Any) -> Any:
     """The initial value of `entry`; with stored `axes`, one independent draw per copy.
 
-    An assigned value (`lm.assign_variables`, ``.value =``) already holds every copy.
+    A value assigned in the stored layout (`lm.assign_variables`) already holds every copy;
+    one of the declared shape (``.value =`` on the declaration) is every copy's.
     """
     state = entry.state
+    if isinstance(state.init, Assigned):
+        return _assigned_value(entry)
     try:
-        if entry.axes and not isinstance(state.init, Assigned):
+        if entry.axes:
             copies = int(np.prod(entry.axes))
             keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.arange(copies))
             value = jax.vmap(lambda k: state.init(k, state.shape, state.param_dtype))(keys)
@@ -259,10 +301,72 @@ def _initial_value(entry: VariableEntry, key: Any) -> Any:
     except Exception as error:
         error.add_note(f"(while lamina initialised {entry.name} with {state.init!r})")
         raise
+    _check_initial(entry, tuple(np.shape(value))[len(entry.axes) :])
+    return _as_stored(entry, value)
+
+
+def _as_stored(entry: VariableEntry, value: Any) -> Any:
+    """An initializer's `value` in the storage dtype, by the rule of a write (`check_cast`).
+
+    An initializer gets the dtype to return (lamina's honour it); one that returns another
+    may widen, or narrow within its kind, as `assign_variables` may: producing initial values
+    is surgery on values (``jax.random.normal(k, s) * 0.02`` for a bfloat16 kernel, int32
+    ``jax.random.randint`` for an int8 one). Concrete values must fit (an int32 300 for an
+    int8 variable would wrap: `ValueError`); traced ones (`jax.jit` of init, a Stack's copies
+    made under `jax.vmap`) are cast. A change of kind (1+2j for a float32 variable, 0.5 for
+    an int one, numbers for a bool one) is a `TypeError`.
+    """
+    state = entry.state
+    target = state.param_dtype
+
+    def what() -> str:
+        return (
+            f"the initializer {_name_of(state.init)} of {entry.name} returned "
+            f"{_kind_of(value)}, but "
+            f"the variable is stored as {target} (an initializer is called as init(key, "
+            f"shape, dtype) and should return an array of that dtype)"
+        )
+
+    if is_number(value):
+        check_number(value, target, what)
+        return jnp.asarray(value, dtype=target)
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
         value = jnp.asarray(value)
-    _check_initial(entry, tuple(value.shape)[len(entry.axes) :])
-    return value if value.dtype == state.param_dtype else value.astype(state.param_dtype)
+    if value.dtype == target:
+        return value
+    check_cast(value, target, what, state.dtype, by_value=True)
+    return value.astype(target)
+
+
+def _name_of(init: Any) -> str:
+    name = getattr(init, "__qualname__", None)  # functions; initializer objects print themselves
+    return name if name is not None else repr(init)
+
+
+def _kind_of(value: Any) -> str:
+    if is_number(value):
+        return f"the Python number {value!r}"
+    weak = "weak-typed " if getattr(value, "weak_type", False) else ""
+    return f"a {weak}{value.dtype} value"
+
+
+def _assigned_value(entry: VariableEntry) -> Any:
+    """An assigned initial value, in the stored shape (one declared-shape value: every copy's)."""
+    state = entry.state
+    value = state.init(None, state.shape, state.param_dtype)
+    got = tuple(value.shape)
+    if got == entry.shape:
+        return value
+    if got == state.shape:
+        return jnp.broadcast_to(value, entry.shape)  # every copy of a Stack starts from it
+    stacked = f" (leading axes {entry.axes}: the Stacks it lies in)" if entry.axes else ""
+    raise ValueError(
+        f"{entry.name} holds an assigned value of shape {got}, but it is declared with shape "
+        f"{state.shape} and stored here with shape {entry.shape}{stacked}. A value assigned "
+        f"for a model holding a Stack has the Stack's axes, which a block planned alone lacks: "
+        f"assign one copy's value (shape {state.shape}), or the stored shape with "
+        f"lm.assign_variables on this model."
+    )
 
 
 def _check_initial(entry: VariableEntry, shape: tuple[int, ...]) -> None:
@@ -278,6 +382,12 @@ def _resolve_callable(
 ) -> Callable[..., Any] | None:
     if to_callable is None:
         return snapshot.__call__ if callable(snapshot) else None
+    if not callable(to_callable):
+        raise TypeError(
+            f"lm.transform: to_callable must be a function of the model that returns the "
+            f"method to run (e.g. to_callable=lambda m: m.forward), got "
+            f"{type(to_callable).__name__} {to_callable!r}."
+        )
     fn = to_callable(snapshot)
     if not callable(fn):
         raise TypeError(
@@ -391,7 +501,7 @@ def assign_variables(
             f"assign nothing."
         )
     for entry in assigned:
-        entry.state._assign_initial(flat[entry.key], entry.name)
+        entry.state._assign_initial(flat[entry.key], entry.name, entry.shape)
     if not return_report:
         return result
     return result, AssignReport(
@@ -420,16 +530,26 @@ def init(module: Module) -> Callable[..., Variables]:
 
 
 def apply(
-    module: Module, fn: Callable[[Module], Callable[..., Any]] | None = None
+    module: Module,
+    fn: Callable[[Module], Callable[..., Any]] | None = None,
+    *,
+    to_callable: Callable[[Module], Callable[..., Any]] | None = None,
 ) -> Callable[..., tuple[Any, Variables]]:
-    """Metoryx's spelling of ``lm.transform(module, fn).apply``: the model's apply function.
+    """Metoryx's spelling of ``lm.transform(module, to_callable).apply``: the apply function.
+
+    Metoryx has named the method picker both ``fn`` (positional or keyword) and
+    ``to_callable`` (keyword); both are accepted.
 
     Args:
         module: The model definition (copied).
         fn: Picks the method to run, as `transform`'s ``to_callable``.
+        to_callable: The same, by `transform`'s name.
 
     Returns:
         ``apply(variables, rngs, *args, **kwargs) -> (outputs, new_variables)``.
+
+    Raises:
+        TypeError: Both `fn` and `to_callable` are given, or the one given is not callable.
 
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
@@ -438,4 +558,15 @@ def apply(
         >>> lm.apply(dense)(variables, None, jnp.ones((1, 3)))[0].shape
         (1, 2)
     """
-    return transform(module, fn).apply
+    if fn is not None and to_callable is not None:
+        raise TypeError(
+            "lm.apply: got both fn and to_callable, which name the same thing (the method "
+            "apply runs); pass one: lm.apply(module, to_callable=lambda m: m.method)."
+        )
+    name, picker = ("to_callable", to_callable) if fn is None else ("fn", fn)
+    if picker is not None and not callable(picker):
+        raise TypeError(
+            f"lm.apply: {name} must be a function of the model that returns the method to "
+            f"run (e.g. {name}=lambda m: m.forward), got {type(picker).__name__} {picker!r}."
+        )
+    return transform(module, picker).apply

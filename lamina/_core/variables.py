@@ -20,12 +20,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..initializers import from_jax
+from .casting import check_cast, check_number, is_number, narrowing_damage
 from .copying import copy_object
 from .errors import format_path
-from .frame import check_cast, current_frame, frame_of, where_is
+from .frame import current_frame, frame_of, where_is
 from .types import Initializer, Shape
 
-__all__ = ["Assigned", "BatchStat", "Cache", "Initializer", "Parameter", "Shape", "State"]
+__all__ = [
+    "Assigned",
+    "BatchStat",
+    "Cache",
+    "Initializer",
+    "Parameter",
+    "Shape",
+    "State",
+    "narrowing_damage",
+]
 
 
 class State:
@@ -58,8 +69,7 @@ class State:
     _lamina_plan: Any = None
     _lamina_slot: int | None = None
     _lamina_path: tuple | None = None
-    # Sizes of axes stored in front of the declared shape (set by lm.Stack on its block).
-    _lamina_axes: tuple[int, ...] = ()
+    _lamina_stacked = False  # stored with a Stack's axes: reads check the frame (Plan.bind)
     _lamina_fixed_collection = False  # True for kinds whose constructor sets the collection
 
     def __init__(
@@ -86,7 +96,7 @@ class State:
                 f"{kind}: init must be a function init(key, shape, dtype) -> array, such as "
                 f"lm.initializers.zeros(); got {init!r}."
             )
-        self.init = init
+        self.init = from_jax(init)  # JAX's closures: the same function, made picklable
         stored = (
             as_dtype(param_dtype, kind, "param_dtype")
             if param_dtype is not None
@@ -115,24 +125,25 @@ class State:
 
     @property
     def value(self) -> Any:
-        """The bound array inside a call, cast to `dtype`."""
+        """The bound array inside a call, cast to `dtype`.
+
+        A variable of a `Stack`'s block is readable only as one copy: inside the Stack's
+        call, or inside `lm.vmap`/`lm.scan` over the block with axis 0 (else `ValueError`,
+        `Plan.check_one_copy`).
+        """
         frame = current_frame()
         if frame is None or frame.plan is not self._lamina_plan:
             frame = frame_of(self)
         v = frame.values[self._lamina_slot]
+        if self._lamina_stacked:  # inside a Stack's block: only one copy may be read
+            self._lamina_plan.check_one_copy(frame, self._lamina_slot)
         if v.dtype == self.dtype:
             return v
-        # A value stored as `param_dtype` always casts; one that `apply` was given in another
-        # dtype may not (a complex array for a real variable): checked only here, off the
-        # common path.
-        check_cast(
-            v.dtype,
-            self.dtype,
-            lambda: (
-                f"{type(self).__name__} at {where_is(self)} got a {v.dtype} value, but it "
-                f"is read as {self.dtype}"
-            ),
-        )
+        # A value stored as `param_dtype` always casts to the compute dtype; one that `apply`
+        # was given in another dtype must widen to `param_dtype` (int32 for an int8 state
+        # would wrap): checked only here, off the common path.
+        if v.dtype != self.param_dtype:
+            check_cast(v, self.param_dtype, lambda: self._given(v.dtype))
         return v.astype(self.dtype)
 
     @value.setter
@@ -149,7 +160,19 @@ class State:
         super().__init_subclass__(**kwargs)
         _register_pytree(cls)
 
-    def _assign_initial(self, array: Any, path: str | None = None) -> None:
+    def _given(self, dtype: Any) -> str:
+        """The start of the message for a value of `dtype` that `apply` got for this state."""
+        stored = f"read as {self.dtype}"
+        if self.dtype != self.param_dtype:
+            stored = f"stored as {self.param_dtype} ({stored})"
+        return f"{type(self).__name__} at {where_is(self)} got a {dtype} value, but it is {stored}"
+
+    def _assign_initial(
+        self, array: Any, path: str | None = None, stored: tuple[int, ...] | None = None
+    ) -> None:
+        # `stored`: the shape a plan stores (`VariableEntry.shape`, with a Stack's axes in
+        # front); without a plan, `.value =` gives the declared shape (every copy of a Stack's
+        # block starts from it).
         where = f" at {path}" if path else ""
         if isinstance(array, (str, bytes, State, jax.ShapeDtypeStruct)) or array is None:
             raise TypeError(
@@ -157,17 +180,29 @@ class State:
                 f"{type(self).__name__}{where}: an initial value is an array (or a number)."
             )
         got = tuple(np.shape(array))
-        stored = (*self._lamina_axes, *self.shape)  # a Stack's block holds one per copy
+        if stored is None:
+            stored = self.shape
         if got != stored:
-            kind = "stored" if self._lamina_axes else "declared"
+            kind = "stored" if stored != self.shape else "declared"
+            hint = ""
+            lead = len(got) - len(stored)
+            if kind == "declared" and lead > 0 and got[lead:] == stored:
+                hint = (
+                    f" A declaration holds one copy (under a Stack, every copy starts from "
+                    f"it); to give each copy its own value (leading axes {got[:lead]}), use "
+                    f"lm.assign_variables on the model that holds the Stack."
+                )
             raise ValueError(
                 f"cannot assign a value of shape {got} to {type(self).__name__}{where} {kind} "
-                f"with shape {stored}; the shapes must be equal."
+                f"with shape {stored}; the shapes must be equal.{hint}"
             )
-        source = np.dtype(array.dtype) if hasattr(array, "dtype") else np.asarray(array).dtype
-        what = f"cannot assign a {source} value to {type(self).__name__}{where}, stored as "
-        check_cast(source, self.param_dtype, lambda: f"{what}{self.param_dtype}")
-        _check_range(array, source, self.param_dtype, what)
+        name = f"{type(self).__name__}{where}, stored as {self.param_dtype}"
+        if is_number(array):  # typed weakly, as a write's: any size that fits
+            check_number(array, self.param_dtype, lambda: f"cannot assign {array!r} to {name}")
+        else:
+            value = array if hasattr(array, "dtype") else np.asarray(array)
+            what = f"cannot assign a {value.dtype} value to {name}"
+            check_cast(value, self.param_dtype, lambda: what, by_value=True)
         # A NumPy array is copied: the caller may change it before the model is transformed.
         self.init = Assigned(np.array(array) if isinstance(array, np.ndarray) else array)
 
@@ -467,54 +502,6 @@ class Cache(State):
         super().__init__(
             "cache", shape, init, dtype, param_dtype, mutable=True, tags=tags, sharding=sharding
         )
-
-
-def _check_range(array: Any, source: np.dtype, target: np.dtype, what: str) -> None:
-    """Refuses values that a narrower `target` cannot hold (see `narrowing_damage`)."""
-    damage = narrowing_damage(array, source, target)
-    if damage is not None:
-        raise ValueError(
-            f"{what}{target}: {damage}. Declare the variable with a wider dtype, or bring the "
-            f"values into range first."
-        )
-
-
-def narrowing_damage(array: Any, source: np.dtype, target: np.dtype) -> str | None:
-    """What casting the concrete `array` to a narrower `target` of its kind would break.
-
-    Integers that do not fit wrap around, and finite floats beyond the target's range become
-    inf (or NaN in float8 kinds without inf); rounding within the range is a cast's business.
-
-    Returns:
-        A description for an error message, or None when the cast keeps every value.
-    """
-    if np.can_cast(source, target, "safe") or isinstance(array, jax.core.Tracer):
-        return None
-    # jnp.issubdtype, not NumPy's `kind`: bfloat16 and the float8 kinds have kind "V"
-    integers = jnp.issubdtype(source, jnp.integer) and jnp.issubdtype(target, jnp.integer)
-    floats = jnp.issubdtype(source, jnp.floating) and jnp.issubdtype(target, jnp.floating)
-    if not (integers or floats):
-        return None  # another kind: check_cast decides
-    values = np.asarray(array)
-    if not values.size:
-        return None
-    with np.errstate(over="ignore", invalid="ignore"):  # what the cast breaks is the question
-        cast = values.astype(target)
-    if integers and not np.array_equal(cast.astype(source), values):
-        info = np.iinfo(target)
-        return (
-            f"its values ({values.min()} to {values.max()}) do not fit in {target} "
-            f"({info.min} to {info.max}), and a cast would wrap them"
-        )
-    if floats:
-        lost = np.isfinite(values) & ~np.isfinite(cast.astype(np.float32))
-        if lost.any():
-            return (
-                f"{int(lost.sum())} finite value(s) (the largest {np.abs(values[lost]).max():g}) "
-                f"are beyond {target}'s range (largest {float(jnp.finfo(target).max):g}), and a "
-                f"cast would make them inf or NaN"
-            )
-    return None
 
 
 class Assigned:

@@ -6,16 +6,23 @@ both lie on one file system, which the shared folder guarantees), and the folder
 so that the rename itself survives a power cut. Until the rename the target keeps its old
 contents, whole; if the writer dies first, the temporary file stays behind.
 
-Such strays are removed by the next save to the same target. A writer holds an exclusive
-`flock` on its temporary file while it writes, and the kernel drops the lock when the process
-dies, however it dies: a stray whose lock can be taken belongs to a dead writer; one whose
-lock is held belongs to a save still running (in another thread or process) and is left
-alone. Where `fcntl` is missing (Windows) strays are left; they never shadow the target.
+Such strays are removed by the next save into the same folder, whatever its target (so the
+strays of step-numbered checkpoints do not stay for good). A writer holds an exclusive `flock`
+on its temporary file while it writes, and the kernel drops the lock when the process dies,
+however it dies: a stray whose lock can be taken belongs to a dead writer; one whose lock is
+held belongs to a save still running (in another thread or process) and is left alone. Where
+`fcntl` is missing (Windows) strays are left; they never shadow a target.
+
+`reserve` allocates the file's blocks before anything is written (`posix_fallocate`), so that
+a full disk or a file-size limit is an `OSError` at once, never a `SIGBUS` while a memory map
+of the file is written; where the file system cannot reserve, the caller writes with
+`pwrite_all`, whose failures are `OSError`s too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import secrets
@@ -30,23 +37,25 @@ except ImportError:  # Windows: no flock; strays are left in place
 _SUFFIX = ".lamina-tmp"
 
 
-def _stray_pattern(name: str) -> re.Pattern[str]:
-    return re.compile(re.escape(f".{name}.") + r"[0-9a-f]{16}" + re.escape(_SUFFIX))
+_STRAY = re.compile(r"\..+\.[0-9a-f]{16}" + re.escape(_SUFFIX))
 
 
 def remove_strays(path: str) -> list[str]:
-    """Removes the temporary files that dead writers left beside `path`.
+    """Removes the temporary files that dead writers left in the folder of `path`.
+
+    Every save's strays count, whatever file it was writing: a stray of ``step_100`` is
+    removed by the save of ``step_200``.
 
     Args:
-        path: The target file.
+        path: A file in the folder to clean (the target of the save that cleans).
 
     Returns:
         The paths removed.
     """
     if fcntl is None:
         return []
-    folder, name = os.path.split(os.path.abspath(path))
-    pattern, removed = _stray_pattern(name), []
+    folder = os.path.dirname(os.path.abspath(path))
+    pattern, removed = _STRAY, []
     try:
         entries = os.listdir(folder)
     except OSError:
@@ -120,6 +129,61 @@ def atomic_file(path: str) -> Iterator[IO[bytes]]:
             os.unlink(temp)
         raise
     _sync_folder(folder)
+
+
+# What posix_fallocate answers where the file system cannot reserve space (the function itself
+# is missing on macOS and Windows).
+_CANNOT_RESERVE = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, getattr(errno, "ENOTSUP", 0)}
+
+
+def reserve(fd: int, size: int) -> bool:
+    """Allocates `size` bytes of disk for the file `fd`, so that writes into them cannot fail.
+
+    Args:
+        fd: The file, open for writing.
+        size: Its final size in bytes.
+
+    Returns:
+        True if the space is reserved (a memory map of the file can be written safely); False
+        if the file system cannot reserve space: write with `pwrite_all` then.
+
+    Raises:
+        OSError: If the space is not there: ``ENOSPC`` (disk full), ``EDQUOT`` (quota),
+            ``EFBIG`` (a file-size limit).
+    """
+    if size == 0:
+        return True
+    if not hasattr(os, "posix_fallocate"):
+        return False
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        if error.errno in _CANNOT_RESERVE:
+            return False
+        raise
+    return True
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Writes all of `data` at `offset` (a short write is continued; its error surfaces)."""
+    view = memoryview(data).cast("B")
+    while view:
+        if hasattr(os, "pwrite"):
+            written = os.pwrite(fd, view, offset)
+        else:  # Windows
+            os.lseek(fd, offset, os.SEEK_SET)
+            written = os.write(fd, view)
+        if written == 0:  # never for a regular file; would otherwise loop forever
+            raise OSError(errno.EIO, "the file accepted no bytes")
+        view, offset = view[written:], offset + written
+
+
+def pread(fd: int, size: int, offset: int) -> bytes:
+    """Up to `size` bytes at `offset` (fewer only at the end of the file)."""
+    if hasattr(os, "pread"):
+        return os.pread(fd, size, offset)
+    os.lseek(fd, offset, os.SEEK_SET)  # Windows
+    return os.read(fd, size)
 
 
 def _sync_folder(folder: str) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
@@ -57,6 +58,10 @@ _RANK = {code: rank for rank, code in enumerate(DTYPES)}
 
 METADATA_KEY = "__metadata__"
 EMPTY_DICTS_KEY = "lamina.empty_dicts"  # the paths of empty dicts, which have no tensors
+# Each tensor's checksum, ``{name: 8 hex digits}`` as JSON: CRC-32 (zlib's) of the tensor's
+# dtype code and shape (`checksum_seed`), then of its bytes as they lie in the file. Fixed-width
+# values, so that `save` can write the header before the data and rewrite it in place after.
+CHECKSUMS_KEY = "lamina.crc32"
 RESERVED_PREFIX = "lamina."
 MAX_HEADER_BYTES = 100_000_000  # the `safetensors` package refuses longer headers
 
@@ -75,6 +80,20 @@ class TensorInfo:
     def dtype(self) -> np.dtype:
         """The NumPy dtype of the tensor's elements, little-endian."""
         return DTYPES[self.code].newbyteorder("<")
+
+
+def checksum_seed(code: str, shape: tuple[int, ...]) -> int:
+    """The CRC-32 a tensor's checksum starts from: its type code and shape.
+
+    So a header edit that reinterprets the same bytes (``F32`` read as ``I32``, a shape
+    transposed) does not match the checksum either.
+    """
+    return zlib.crc32(json.dumps([code, list(shape)]).encode())
+
+
+def format_checksum(value: int) -> str:
+    """A CRC-32 as it is stored: 8 lowercase hex digits."""
+    return f"{value:08x}"
 
 
 def unsupported_dtype_hint(dtype: np.dtype) -> str:

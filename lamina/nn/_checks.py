@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 
 from .._core.variables import as_dtype as _core_as_dtype
+from ..initializers import from_jax
 
 # A padding as the kernels receive it: a name, or one (low, high) pair per spatial axis.
 CanonicalPadding = str | tuple[tuple[int, int], ...]
@@ -206,13 +207,17 @@ def as_dtype(where: str, name: str, value: Any) -> np.dtype:
 
 
 def initializer(where: str, name: str, value: Any) -> Callable[..., Any]:
-    """Returns `value`; raises `TypeError` unless it is a function ``init(key, shape, dtype)``."""
+    """Returns `value`; raises `TypeError` unless it is a function ``init(key, shape, dtype)``.
+
+    A closure of `jax.nn.initializers` comes back as the `lm.initializers.Initializer` that
+    calls it (`lm.initializers.from_jax`: same values, and it pickles).
+    """
     if not callable(value):
         raise TypeError(
             f"{where}: {name} must be an initializer, a function init(key, shape, dtype) -> "
             f"array such as lm.initializers.lecun_normal(); got {value!r}."
         )
-    return value
+    return from_jax(value)
 
 
 def function(where: str, name: str, value: Any, example: str) -> Callable[..., Any]:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._core.module import Module
+from .._core.sharding import result_sharding
 from .._core.variables import Initializer, Parameter
 
 
@@ -37,12 +38,26 @@ def contract(
     first `n_batch` axes of `x` (one kernel per batch entry), the next ``len(axis)`` are
     contracted with the axes `axis` of `x` (non-negative, in the kernel's order). `bias` is
     ``(*batch, *features)``. The output is ``(*batch, *other axes of x, *features)``; every
-    operand is cast to `dtype` first.
+    operand is cast to `dtype` first. On a mesh with explicit axes the output is sharded as
+    `result_sharding` says.
     """
     x, kernel = jnp.asarray(x, dtype), jnp.asarray(kernel, dtype)
     batch = tuple(range(n_batch))
     contracted = tuple(range(n_batch, n_batch + len(axis)))
-    y = lax.dot_general(x, kernel, ((axis, contracted), (batch, batch)), precision=precision)
+    x_labels = [("x", d) for d in range(x.ndim)]
+    k_labels = [("k", d) for d in range(kernel.ndim)]
+    for k, d in [*zip(batch, batch, strict=True), *zip(contracted, axis, strict=True)]:
+        k_labels[k] = x_labels[d]
+    free = [x_labels[d] for d in range(n_batch, x.ndim) if d not in axis]
+    out_labels = (*x_labels[:n_batch], *free, *k_labels[n_batch + len(axis) :])
+    out = result_sharding(out_labels, (x, x_labels), (kernel, k_labels))
+    y = lax.dot_general(
+        x,
+        kernel,
+        ((axis, contracted), (batch, batch)),
+        precision=precision,
+        out_sharding=out,
+    )
     if bias is not None:
         ones = (1,) * (y.ndim - bias.ndim)
         bias = jnp.asarray(bias, dtype)

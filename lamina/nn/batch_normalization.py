@@ -224,13 +224,9 @@ class BatchNorm(Normalization):
         """Normalises `x`; updates the running averages if training."""
         _checks.python_bool(type(self).__name__, is_training=is_training)
         reduction, features = self._axes(x)
-        if is_training and not reduction:
-            raise ValueError(
-                f"{self._describe()} got an input of shape {jnp.shape(x)} while training: batch "
-                f"statistics need a batch axis, (batch..., {self.size}); a single example would "
-                f"be normalised to zeros. Add one: x[None]."
-            )
         mask = check_mask(self._describe, mask, tuple(jnp.shape(x)))
+        if is_training:
+            self._check_batch(tuple(jnp.shape(x)), reduction, mask)
         scale, bias = self._scale_and_bias()
         dtype = _dtypes.compute_dtype(self, self.dtype, x, scale, bias)
         stats = statistics_dtype(jnp.result_type(x) if self.dtype is None else self.dtype)
@@ -263,6 +259,79 @@ class BatchNorm(Normalization):
             self.mean.value = new_mean
             self.var.value = new_var
         return y
+
+    def _check_batch(
+        self, shape: tuple[int, ...], reduction: tuple[int, ...], mask: jax.Array | None
+    ) -> None:
+        """Refuses training statistics over fewer than two entries per feature.
+
+        Over one entry the batch mean is the entry itself, so ``x - mean`` is zero and every
+        output is the bias: a silent wrong result, not a normalisation; over none the
+        statistics are NaN. The count per feature is known while tracing (so the check holds
+        under `jax.jit`): the product of the reduced axes' sizes, or with a concrete `mask`
+        its fewest True entries over the features (a traced mask is not counted), times the
+        size of the mapped axis the statistics are averaged over (`axis_name`; its group's
+        size with `axis_index_groups`), which is static.
+        """
+        per_member = int(np.prod([shape[a] for a in reduction], dtype=np.int64))
+        masked = mask is not None and not isinstance(mask, jax.core.Tracer) and per_member > 0
+        if masked:
+            selected = np.broadcast_to(np.asarray(mask), shape).sum(axis=reduction)
+            per_member = int(np.min(selected)) if selected.size else per_member
+        members = self._mapped_size()
+        count = per_member * members
+        if count >= 2:
+            return
+        axes = f"axes {reduction}" if reduction else "no axis (the input has only the feature axes)"
+        where = f"{_dtypes._name(self)} got an input of shape {shape} while training"
+        mapped = (
+            f", over {members} member(s) of the mapped axis {self.axis_name!r}"
+            if self.axis_name is not None
+            else ""
+        )
+        fix = (
+            "Train on batches of at least 2 examples, normalise with the running averages "
+            "(is_training=False, Linen's use_running_average=True), or average the statistics "
+            "over a mapped axis (axis_name=, inside lm.vmap or shard_map)."
+        )
+        if count == 0 and not masked:
+            raise ValueError(
+                f"{where}: the batch is empty (no entry along the reduced {axes}{mapped}), so "
+                f"its mean and variance are NaN (0/0) and would overwrite the running averages. "
+                f"Skip empty batches; {fix[0].lower()}{fix[1:]}"
+            )
+        if masked:
+            what = (
+                f"its mask selects {per_member} entr{'y' if per_member == 1 else 'ies'} for "
+                f"some feature (over {axes}{mapped})"
+            )
+        else:
+            what = f"its batch statistics reduce over {axes}{mapped}, {count} entry per feature"
+        outcome = (
+            "so its statistics are NaN (0/0)"
+            if count == 0
+            else "so the batch mean is the input itself and every output would be the bias"
+        )
+        if masked:
+            fix = (
+                f"Let the mask select at least 2 entries per feature, or: {fix[0].lower()}{fix[1:]}"
+            )
+        raise ValueError(f"{where}: {what}, {outcome}. {fix}")
+
+    def _mapped_size(self) -> int:
+        """The number of members whose statistics are averaged together (1 without a map).
+
+        `lax.axis_size` is static while tracing; an axis that no map binds is left to the
+        statistics' own `NameError` (`unbound_axis_message`).
+        """
+        if self.axis_name is None:
+            return 1
+        if self.axis_index_groups is not None:
+            return min(len(group) for group in self.axis_index_groups)
+        try:
+            return int(jax.lax.axis_size(self.axis_name))
+        except NameError:
+            return 2  # unbound: the call raises its own, clearer error
 
 
 def _is_complex(dtype: Any) -> bool:

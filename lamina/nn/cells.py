@@ -5,12 +5,17 @@ source, named as Linen names them), so Linen's variables load directly. A cell c
 time step, ``cell(carry, x) -> (new_carry, y)``; `RNN` runs it over a sequence.
 
 A step's arithmetic is a compiled kernel (`lstm_step`, `fused_lstm_step`, `gru_step`,
-`mgu_step`, `simple_step`). `compiled_step` hands it to `RNN` with the cell's variables, so
-that the whole scan is one compiled function.
+`mgu_step`, `simple_step`) that reads the gates' kernels and biases itself. It runs only where
+it is provably the cell's own computation (`_Cell.uses_compiled_step`: exactly a built-in
+cell class, every gate exactly the `Dense` it built, nothing capturing module outputs);
+then `compiled_step` hands it to `RNN` with the cell's variables, so that the whole scan is
+one compiled function. Otherwise the cell calls its gate layers as modules (a `LoRA` gate, a
+`Dense` without a bias, a subclass's gates), and the update is the same code (`gru_update`...).
 
 Dtypes: the gates are computed in the cell's `dtype`, or with ``dtype=None`` in the promotion
 of the input, the carry and the variables (Linen's ``promote_dtype``); the carry keeps its own
-dtype (`param_dtype` from `initialize_carry`), as Linen's does under `RNN`.
+dtype (`param_dtype` from `initialize_carry`), as Linen's does under `RNN`, except that a
+complex step makes a real carry complex, as Linen's cells do (`next_carry_dtype`).
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from .. import initializers
+from .._core.frame import current_frame, require_frame
 from .._core.module import Module
-from .._core.variables import Initializer
+from .._core.variables import Initializer, Parameter
 from ..activations import sigmoid, tanh
 from . import _checks, _dtypes
 from .linear import Dense, dense
@@ -37,35 +43,38 @@ _LSTM_GATES = ("i", "f", "g", "o")
 _GRU_GATES = ("r", "z", "n")
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "gate_fn", "activation_fn"))
+@functools.partial(jax.jit, static_argnames=("dtypes", "gate_fn", "activation_fn"))
 def lstm_step(
     carry: tuple[jax.Array, jax.Array],
     x: jax.Array,
     weights: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], tuple[jax.Array, ...]],
-    dtype: Any,
+    dtypes: tuple[Any, Any],
     gate_fn: Callable[..., Any],
     activation_fn: Callable[..., Any],
 ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """One LSTM step, as Flax Linen's `LSTMCell` computes it: ``((c', h'), h')``.
 
     `weights` is ``(input_kernels, hidden_kernels, hidden_biases)``, each a tuple over the
-    gates ``i, f, g, o``. Each gate is ``dense(x, W_i?) + dense(h, W_h?, b_h?)`` computed in
-    `dtype`, then `lstm_update`.
+    gates ``i, f, g, o``. Each gate is ``dense(x, W_i?) + dense(h, W_h?, b_h?)``, the input's
+    products computed in ``dtypes[0]`` and the hidden state's in ``dtypes[1]`` (each gate
+    `Dense` in its own dtype, as Linen's), then `lstm_update`.
     """
     c, h = carry
-    z = [
-        dense(x, wi, None, dtype) + dense(h, wh, bh, dtype)
-        for wi, wh, bh in zip(*weights, strict=True)
-    ]
+    x_dtype, h_dtype = dtypes
+    x_parts, h_parts = common_parts(
+        [dense(x, wi, None, x_dtype) for wi in weights[0]],
+        [dense(h, wh, bh, h_dtype) for wh, bh in zip(weights[1], weights[2], strict=True)],
+    )
+    z = [xz + hz for xz, hz in zip(x_parts, h_parts, strict=True)]
     return lstm_update(c, h, z, gate_fn, activation_fn)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "gate_fn", "activation_fn"))
+@functools.partial(jax.jit, static_argnames=("dtypes", "gate_fn", "activation_fn"))
 def fused_lstm_step(
     carry: tuple[jax.Array, jax.Array],
     x: jax.Array,
     weights: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], tuple[jax.Array, ...]],
-    dtype: Any,
+    dtypes: tuple[Any, Any],
     gate_fn: Callable[..., Any],
     activation_fn: Callable[..., Any],
 ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
@@ -78,7 +87,11 @@ def fused_lstm_step(
     """
     c, h = carry
     input_kernels, hidden_kernels, hidden_biases = (jnp.concatenate(w, -1) for w in weights)
-    z = dense(h, hidden_kernels, hidden_biases, dtype) + dense(x, input_kernels, None, dtype)
+    (zx,), (zh,) = common_parts(
+        [dense(x, input_kernels, None, dtypes[0])],
+        [dense(h, hidden_kernels, hidden_biases, dtypes[1])],
+    )
+    z = zh + zx
     return lstm_update(c, h, jnp.split(z, 4, axis=-1), gate_fn, activation_fn)
 
 
@@ -93,22 +106,72 @@ def lstm_update(
 
     ``c' = gate(f) c + gate(i) act(g)``, ``h' = gate(o) act(c')``; computed in the carry's
     dtype (Linen's result under standard promotion when the carry is float32 and the gates
-    bfloat16), so the carry keeps its dtype. Shared by every LSTM cell (`ConvLSTMCell`
+    bfloat16), so the carry keeps its dtype, unless the gates are complex
+    (`next_carry_dtype`). Shared by every LSTM cell (`ConvLSTMCell`
     included).
     """
     i, f, g, o = gate_fn(z[0]), gate_fn(z[1]), activation_fn(z[2]), gate_fn(z[3])
-    cdt = c.dtype
-    new_c = f.astype(cdt) * c + (i * g).astype(cdt)
-    new_h = (o.astype(cdt) * activation_fn(new_c)).astype(h.dtype)
+    gates = jnp.result_type(i, f, g, o)
+    cdt = next_carry_dtype(c.dtype, gates)
+    new_c = f.astype(cdt) * c.astype(cdt) + (i * g).astype(cdt)
+    new_h = (o.astype(cdt) * activation_fn(new_c)).astype(next_carry_dtype(h.dtype, gates))
     return (new_c, new_h), new_h
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "gate_fn", "activation_fn"))
+def common_parts(
+    x_parts: Sequence[jax.Array], h_parts: Sequence[jax.Array]
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """The gates' outputs cast to their promotion (Linen's: gates of different dtypes meet there).
+
+    Each gate `Dense` computes in its own dtype (with ``dtype=None``, the promotion of its
+    input and variables: a bfloat16 carry and bfloat16 kernels make a bfloat16 hidden gate
+    next to a float32 input gate); the update combines them in the promotion. The compiled
+    steps and the cell's own call share this, so that both are the same computation.
+    """
+    common = _dtypes._promote(tuple(jnp.result_type(p) for p in (*x_parts, *h_parts)))
+    return [jnp.asarray(p, common) for p in x_parts], [jnp.asarray(p, common) for p in h_parts]
+
+
+def next_carry_dtype(carry_dtype: Any, compute_dtype: Any) -> Any:
+    """The dtype of a carry after a step computed in `compute_dtype`.
+
+    The carry keeps its dtype (bfloat16 gates leave a float32 carry float32), except that a
+    complex step makes a real carry complex, as Linen's cells do (its standard promotion);
+    dropping the imaginary part would be a silently wrong result.
+    """
+    if jnp.issubdtype(compute_dtype, jnp.complexfloating) and not jnp.issubdtype(
+        carry_dtype, jnp.complexfloating
+    ):
+        return _dtypes._promote((jnp.dtype(carry_dtype), jnp.dtype(compute_dtype)))
+    return carry_dtype
+
+
+def gru_update(
+    h: jax.Array,
+    x_parts: Sequence[jax.Array],
+    h_parts: Sequence[jax.Array],
+    gate_fn: Callable[..., Any],
+    activation_fn: Callable[..., Any],
+) -> tuple[jax.Array, jax.Array]:
+    """The GRU update from the gates' transforms of ``x`` and ``h`` (``r, z, n``): ``(h', h')``.
+
+    ``(1 - z) * n + z * h`` is computed in the carry's dtype (`next_carry_dtype`).
+    """
+    (xr, xz, xn), (hr, hz, hn) = x_parts, h_parts
+    r = gate_fn(xr + hr)
+    z = gate_fn(xz + hz)
+    n = activation_fn(xn + r * hn)
+    hdt = next_carry_dtype(h.dtype, jnp.result_type(n))
+    new_h = ((1.0 - z) * n).astype(hdt) + z.astype(hdt) * h.astype(hdt)
+    return new_h, new_h
+
+
+@functools.partial(jax.jit, static_argnames=("dtypes", "gate_fn", "activation_fn"))
 def gru_step(
     carry: jax.Array,
     x: jax.Array,
     weights: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], tuple[jax.Array, ...], jax.Array],
-    dtype: Any,
+    dtypes: tuple[Any, Any],
     gate_fn: Callable[..., Any],
     activation_fn: Callable[..., Any],
 ) -> tuple[jax.Array, jax.Array]:
@@ -116,25 +179,54 @@ def gru_step(
 
     `weights` is ``(input_kernels, input_biases, hidden_kernels, hidden_bias_n)``, the tuples
     over the gates ``r, z, n``: the input transforms carry the biases, and of the hidden ones
-    only ``n``'s (it is gated by ``r`` before the sum). The interpolation
-    ``(1 - z) * n + z * h`` is computed in the carry's dtype.
+    only ``n``'s (it is gated by ``r`` before the sum); the input's products are computed in
+    ``dtypes[0]``, the hidden state's in ``dtypes[1]``. Then `gru_update`.
     """
     h = carry
+    x_dtype, h_dtype = dtypes
     (w_ir, w_iz, w_in), (b_ir, b_iz, b_in), (w_hr, w_hz, w_hn), b_hn = weights
-    r = gate_fn(dense(x, w_ir, b_ir, dtype) + dense(h, w_hr, None, dtype))
-    z = gate_fn(dense(x, w_iz, b_iz, dtype) + dense(h, w_hz, None, dtype))
-    n = activation_fn(dense(x, w_in, b_in, dtype) + r * dense(h, w_hn, b_hn, dtype))
-    hdt = h.dtype
-    new_h = ((1.0 - z) * n).astype(hdt) + z.astype(hdt) * h
+    x_parts, h_parts = common_parts(
+        [
+            dense(x, w_ir, b_ir, x_dtype),
+            dense(x, w_iz, b_iz, x_dtype),
+            dense(x, w_in, b_in, x_dtype),
+        ],
+        [
+            dense(h, w_hr, None, h_dtype),
+            dense(h, w_hz, None, h_dtype),
+            dense(h, w_hn, b_hn, h_dtype),
+        ],
+    )
+    return gru_update(h, x_parts, h_parts, gate_fn, activation_fn)
+
+
+def mgu_update(
+    h: jax.Array,
+    x_parts: Sequence[jax.Array],
+    h_parts: Sequence[jax.Array],
+    gate_fn: Callable[..., Any],
+    activation_fn: Callable[..., Any],
+    reset_gate: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """The MGU update from the transforms of ``x`` and ``h`` (``f, n``): ``(h', h')``.
+
+    ``(1 - f) * n + f * h`` is computed in the carry's dtype (`next_carry_dtype`).
+    """
+    (xf, xn), (hf, hn) = x_parts, h_parts
+    f = gate_fn(xf + hf)
+    recurrent = hn * f if reset_gate else hn
+    n = activation_fn(xn + recurrent)
+    hdt = next_carry_dtype(h.dtype, jnp.result_type(n))
+    new_h = ((1.0 - f) * n).astype(hdt) + f.astype(hdt) * h.astype(hdt)
     return new_h, new_h
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "gate_fn", "activation_fn", "reset_gate"))
+@functools.partial(jax.jit, static_argnames=("dtypes", "gate_fn", "activation_fn", "reset_gate"))
 def mgu_step(
     carry: jax.Array,
     x: jax.Array,
     weights: tuple[Any, ...],
-    dtype: Any,
+    dtypes: tuple[Any, Any],
     gate_fn: Callable[..., Any],
     activation_fn: Callable[..., Any],
     reset_gate: bool,
@@ -142,41 +234,55 @@ def mgu_step(
     """One minimal gated unit step, as Flax Linen's `MGUCell` computes it: ``(h', h')``.
 
     `weights` is ``(W_if, b_if, W_in, b_in, W_hf, W_hn, b_hn)`` (`b_hn` None without the reset
-    gate). The interpolation ``(1 - f) * n + f * h`` is computed in the carry's dtype.
+    gate); the input's products in ``dtypes[0]``, the hidden state's in ``dtypes[1]``. Then
+    `mgu_update`.
     """
     h = carry
+    x_dtype, h_dtype = dtypes
     w_if, b_if, w_in, b_in, w_hf, w_hn, b_hn = weights
-    f = gate_fn(dense(x, w_if, b_if, dtype) + dense(h, w_hf, None, dtype))
-    recurrent = dense(h, w_hn, b_hn, dtype)
-    if reset_gate:
-        recurrent = recurrent * f
-    n = activation_fn(dense(x, w_in, b_in, dtype) + recurrent)
-    hdt = h.dtype
-    new_h = ((1.0 - f) * n).astype(hdt) + f.astype(hdt) * h
+    x_parts, h_parts = common_parts(
+        [dense(x, w_if, b_if, x_dtype), dense(x, w_in, b_in, x_dtype)],
+        [dense(h, w_hf, None, h_dtype), dense(h, w_hn, b_hn, h_dtype)],
+    )
+    return mgu_update(h, x_parts, h_parts, gate_fn, activation_fn, reset_gate)
+
+
+def simple_update(
+    h: jax.Array,
+    x_part: jax.Array,
+    h_part: jax.Array,
+    activation_fn: Callable[..., Any],
+    residual: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """The Elman update ``activation(x_part + h_part [+ h])``: ``(h', h')``, carry's dtype."""
+    z = x_part + h_part
+    if residual:
+        z = z + h.astype(z.dtype)
+    new_h = activation_fn(z)
+    new_h = new_h.astype(next_carry_dtype(h.dtype, new_h.dtype))
     return new_h, new_h
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "activation_fn", "residual"))
+@functools.partial(jax.jit, static_argnames=("dtypes", "activation_fn", "residual"))
 def simple_step(
     carry: jax.Array,
     x: jax.Array,
     weights: tuple[jax.Array, jax.Array, jax.Array],
-    dtype: Any,
+    dtypes: tuple[Any, Any],
     activation_fn: Callable[..., Any],
     residual: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """One Elman step, as Flax Linen's `SimpleCell` computes it: ``(h', h')``.
 
     `weights` is ``(W_i, b_i, W_h)``; ``h' = activation(W_i x + b_i + W_h h [+ h])``, in the
-    carry's dtype.
+    carry's dtype; ``W_i x`` is computed in ``dtypes[0]``, ``W_h h`` in ``dtypes[1]``.
     """
     h = carry
     w_i, b_i, w_h = weights
-    z = dense(x, w_i, b_i, dtype) + dense(h, w_h, None, dtype)
-    if residual:
-        z = z + h.astype(z.dtype)
-    new_h = activation_fn(z).astype(h.dtype)
-    return new_h, new_h
+    (x_part,), (h_part,) = common_parts(
+        [dense(x, w_i, b_i, dtypes[0])], [dense(h, w_h, None, dtypes[1])]
+    )
+    return simple_update(h, x_part, h_part, activation_fn, residual)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +290,8 @@ class _Kernel:
     """A cell's step as a hashable static argument: ``step(weights, carry, x)``."""
 
     fn: Callable[..., Any]  # lstm_step, gru_step...
-    settings: tuple[tuple[str, Any], ...]
+    settings: tuple[tuple[str, Any], ...]  # `dtypes` (input's, hidden state's) included
+    dtype: Any  # the step's: the promotion of the input, the carry and the weights
 
     def __call__(self, weights: Any, carry: Carry, x: jax.Array) -> tuple[Carry, Any]:
         return self.fn(carry, x, weights, **dict(self.settings))
@@ -214,23 +321,27 @@ def tree_shapes(tree: Any) -> Any:
 def step_dtype(cell: Any, dtype: Any, carry: Carry, x: jax.Array, weights: Any) -> Any:
     """The dtype a cell computes a step in: `dtype`, or the promotion of `x`, carry and weights.
 
-    Raises `TypeError` for a complex computation on a real carry (the carry keeps its dtype, so
-    the cast would drop the imaginary part) and, through `_dtypes.compute_dtype`, for a complex
-    input or variable under a real `dtype`.
+    Raises `TypeError`, through `_dtypes.compute_dtype`, for a complex input or variable under
+    a real `dtype`. A complex step on a real carry makes the carry complex (`next_carry_dtype`).
     """
     leaves = jax.tree.leaves(carry)
-    result = _dtypes.compute_dtype(cell, dtype, x, *leaves, *jax.tree.leaves(weights))
-    if jnp.issubdtype(result, jnp.complexfloating):
-        for leaf in leaves:
-            if not jnp.issubdtype(jnp.result_type(leaf), jnp.complexfloating):
-                raise TypeError(
-                    f"{_dtypes._name(cell)} computes in {result} but got a "
-                    f"{jnp.result_type(leaf)} carry: the carry keeps its dtype, so the step "
-                    f"would drop the imaginary part. Start from a complex carry (build the cell "
-                    f"with param_dtype={result}, whose initialize_carry is complex, or cast "
-                    f"your initial carry)."
-                )
-    return result
+    return _dtypes.compute_dtype(cell, dtype, x, *leaves, *jax.tree.leaves(weights))
+
+
+def promote_carry(carry: Carry, dtype: Any) -> Carry:
+    """`carry` cast to the dtypes a step computed in `dtype` returns (`next_carry_dtype`).
+
+    `RNN` starts its scan from it, so that the loop's carry keeps one dtype.
+    """
+    if not jnp.issubdtype(dtype, jnp.complexfloating):
+        return carry  # a real step keeps every carry's dtype
+
+    def cast(leaf: Any) -> Any:
+        leaf = jnp.asarray(leaf)
+        target = next_carry_dtype(leaf.dtype, dtype)
+        return leaf if target == leaf.dtype else leaf.astype(target)
+
+    return jax.tree.map(cast, carry)
 
 
 class _Cell(Module, abc.ABC):
@@ -259,8 +370,6 @@ class _Cell(Module, abc.ABC):
         bias_init: Initializer,
         dtype: Any,
         param_dtype: Any,
-        input_biases: tuple[str, ...],
-        hidden_biases: tuple[str, ...],
         gate_bias_inits: dict[str, tuple[str, Initializer]] | None = None,
     ):
         super().__init__()
@@ -283,6 +392,7 @@ class _Cell(Module, abc.ABC):
             name: _checks.initializer(cls, option, init)
             for name, (option, init) in (gate_bias_inits or {}).items()
         }
+        input_biases, hidden_biases = self._biases()
         self._dense_per_gate("i", kernel_init, bias_init, input_biases, bias_inits)
         self._dense_per_gate("h", recurrent_kernel_init, bias_init, hidden_biases, bias_inits)
 
@@ -313,8 +423,12 @@ class _Cell(Module, abc.ABC):
             )
             setattr(self, f"{source}{gate}", layer)
 
-    def _settings(self, dtype: Any) -> tuple[tuple[str, Any], ...]:
-        return (("dtype", dtype), ("gate_fn", self.gate_fn), ("activation_fn", self.activation_fn))
+    def _settings(self, dtypes: tuple[Any, Any]) -> tuple[tuple[str, Any], ...]:
+        return (
+            ("dtypes", dtypes),
+            ("gate_fn", self.gate_fn),
+            ("activation_fn", self.activation_fn),
+        )
 
     def _describe(self) -> str:
         return f"{type(self).__name__}(in_size={self.in_size}, hidden_size={self.hidden_size})"
@@ -332,20 +446,114 @@ class _Cell(Module, abc.ABC):
         """The arrays the step kernel takes, read from the gate layers."""
 
     @abc.abstractmethod
-    def _kernel(self, dtype: Any) -> _Kernel:
-        """The jitted step function with this cell's settings, computing in `dtype`."""
+    def _kernel(self, dtypes: tuple[Any, Any], dtype: Any) -> _Kernel:
+        """The jitted step with this cell's settings: gates in `dtypes`, the step's `dtype`."""
+
+    @abc.abstractmethod
+    def _biases(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The gates whose input and whose hidden `Dense` have a bias (as Linen's)."""
+
+    @abc.abstractmethod
+    def _update(self, carry: Carry, x_parts: list[Any], h_parts: list[Any]) -> Any:
+        """The step from the gate layers' outputs (``i<gate>(x)`` and ``h<gate>(h)``)."""
 
     def _compiled(self, carry: Carry, x: jax.Array) -> tuple[Any, _Kernel]:
-        """The weights and the step for this carry and input (their dtypes decide `dtype`)."""
+        """The weights and the step for this carry and input (their dtypes decide the step's).
+
+        Each gate computes in the dtype its `Dense` would: the cell's `dtype`, or with None
+        the promotion of its input (`x`, or the hidden state as `RNN` carries it, complex
+        from the start for a complex step) and its variables, which `uses_compiled_step`
+        has checked all have the one dtype of the cell's gates.
+        """
         weights = self._weights()
-        return weights, self._kernel(step_dtype(self, self.dtype, carry, x, weights))
+        dtype = step_dtype(self, self.dtype, carry, x, weights)
+        if self.dtype is not None:
+            return weights, self._kernel((dtype, dtype), dtype)
+        w = jnp.result_type(jax.tree.leaves(weights[0])[0])
+        h = next_carry_dtype(jnp.result_type(self._hidden(carry)), dtype)
+        dtypes = (_dtypes._promote((jnp.result_type(x), w)), _dtypes._promote((h, w)))
+        return weights, self._kernel(dtypes, dtype)
+
+    def uses_compiled_step(self) -> bool:
+        """Whether the compiled step is provably this cell's own computation.
+
+        The compiled step (`gru_step`...) reads the gates' kernels and biases and does their
+        arithmetic itself, so it may stand in for the cell's `__call__` only when that is the
+        same computation: the cell is exactly a built-in class (not a subclass, whose
+        `__call__` may differ); each gate is exactly a `Dense` with the configuration the step
+        assumes (its sizes, the cell's `dtype` and `param_dtype`, its `kernel` and `bias`
+        attributes exactly `Parameter`s of the shapes and dtypes it built, a bias present
+        exactly where the cell's gate has one, default precision), not a `LoRA` or another
+        module; and the active call does not capture module outputs
+        (`lm.capture_intermediates`, which records the gates' calls). Otherwise the cell calls
+        its gate layers, and `RNN` calls the cell at every step.
+        """
+        if type(self) not in _BUILT_IN_CELLS:
+            return False
+        frame = current_frame()
+        if frame is not None and frame.records is not None and frame.records.capture:
+            return False
+        # Settings are read-only once built, and read from `__dict__` (where `Setting` keeps
+        # them): this runs on every call, so it stays a few dictionary lookups per gate.
+        own = self.__dict__
+        hidden, dtype, param_dtype = own["hidden_size"], own["dtype"], own["param_dtype"]
+        sizes = {"i": own["in_size"], "h": hidden}
+        read_as = param_dtype if dtype is None else dtype  # the dtype `.value` returns
+        for name, source, biased in _gate_table(self._gates, self._biases()):
+            layer = own.get(name)
+            if type(layer) is not Dense:
+                return False
+            # What `Dense.__call__` reads: its settings, and its `kernel` and `bias`
+            # attributes (which may have been replaced or removed since it was built).
+            settings = layer.__dict__
+            bias = settings.get("bias")
+            if not (
+                settings["in_size"] == sizes[source]
+                and settings["out_size"] == hidden
+                and settings["precision"] is None
+                and _same_dtype(settings["dtype"], dtype)
+                and _same_dtype(settings["param_dtype"], param_dtype)
+                and is_parameter(
+                    settings.get("kernel"), (sizes[source], hidden), read_as, param_dtype
+                )
+                and (
+                    is_parameter(bias, (hidden,), read_as, param_dtype) if biased else bias is None
+                )
+            ):
+                return False
+        return True
+
+    def _layer(self, source: str, gate: str) -> Any:
+        return getattr(self, f"{source}{gate}")
+
+    def _hidden(self, carry: Carry) -> jax.Array:
+        """The part of the carry that the hidden-to-gate layers take."""
+        return carry
 
     def __call__(self, carry: Carry, x: jax.Array) -> tuple[Carry, jax.Array]:
         """One step: ``(new_carry, y)`` for the carry and `x` of shape ``(*batch, in_size)``."""
         shape = _checks.check_last_axis(self._describe, x, self.in_size, "in_size")
         self._check_carry(carry, shape[:-1])
-        weights, kernel = self._compiled(carry, x)
-        return kernel(weights, carry, x)
+        if self.uses_compiled_step():
+            weights, kernel = self._compiled(carry, x)
+            return kernel(weights, carry, x)
+        h = self._hidden(carry)
+        x_parts = [self._layer("i", gate)(x) for gate in self._gates]
+        h_parts = [self._layer("h", gate)(h) for gate in self._gates]
+        x_parts, h_parts = common_parts(x_parts, h_parts)
+        return self._update(carry, x_parts, h_parts)
+
+    def scan_dtype(self, carry: Carry, x: jax.Array) -> Any:
+        """The dtype the cell computes in for `carry` and inputs `x` (inside a call).
+
+        From the cell's `dtype`, or with None the promotion of `x`, the carry and the values
+        of every variable under the cell (whatever its gate layers are). `RNN` casts its
+        initial carry with `promote_carry` to this dtype, so that a complex step's carry is
+        complex from the first step.
+        """
+        frame = require_frame(f"{type(self).__name__}.scan_dtype")
+        values = [frame.values[slot] for slot in frame.plan.slots_of(self)]
+        return step_dtype(self, self.dtype, carry, x, values)
 
     def _check_carry(self, carry: Any, batch: tuple[int, ...]) -> None:
         expected = self._carry_shapes(batch)
@@ -440,8 +648,6 @@ class LSTMCell(_Cell):
             bias_init=bias_init,
             dtype=dtype,
             param_dtype=param_dtype,
-            input_biases=(),
-            hidden_biases=_LSTM_GATES,
         )
 
     def initialize_carry(
@@ -466,8 +672,18 @@ class LSTMCell(_Cell):
             tuple(d.bias.value for d in hid),
         )
 
-    def _kernel(self, dtype: Any) -> _Kernel:
-        return _Kernel(lstm_step, self._settings(dtype))
+    def _kernel(self, dtypes: tuple[Any, Any], dtype: Any) -> _Kernel:
+        return _Kernel(lstm_step, self._settings(dtypes), dtype)
+
+    def _biases(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return (), _LSTM_GATES
+
+    def _hidden(self, carry: Carry) -> jax.Array:
+        return carry[1]
+
+    def _update(self, carry: Carry, x_parts: list[Any], h_parts: list[Any]) -> Any:
+        z = [xz + hz for xz, hz in zip(x_parts, h_parts, strict=True)]
+        return lstm_update(carry[0], carry[1], z, self.gate_fn, self.activation_fn)
 
 
 class OptimizedLSTMCell(LSTMCell):
@@ -495,8 +711,8 @@ class OptimizedLSTMCell(LSTMCell):
         (2, 4)
     """
 
-    def _kernel(self, dtype: Any) -> _Kernel:
-        return _Kernel(fused_lstm_step, self._settings(dtype))
+    def _kernel(self, dtypes: tuple[Any, Any], dtype: Any) -> _Kernel:
+        return _Kernel(fused_lstm_step, self._settings(dtypes), dtype)
 
 
 class _HiddenStateCell(_Cell):
@@ -590,8 +806,6 @@ class GRUCell(_HiddenStateCell):
             bias_init=bias_init,
             dtype=dtype,
             param_dtype=param_dtype,
-            input_biases=_GRU_GATES,
-            hidden_biases=("n",),
         )
 
     def _weights(self) -> Any:
@@ -604,8 +818,14 @@ class GRUCell(_HiddenStateCell):
             self.hn.bias.value,
         )
 
-    def _kernel(self, dtype: Any) -> _Kernel:
-        return _Kernel(gru_step, self._settings(dtype))
+    def _kernel(self, dtypes: tuple[Any, Any], dtype: Any) -> _Kernel:
+        return _Kernel(gru_step, self._settings(dtypes), dtype)
+
+    def _biases(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return _GRU_GATES, ("n",)
+
+    def _update(self, carry: Carry, x_parts: list[Any], h_parts: list[Any]) -> Any:
+        return gru_update(carry, x_parts, h_parts, self.gate_fn, self.activation_fn)
 
 
 class MGUCell(_HiddenStateCell):
@@ -684,8 +904,6 @@ class MGUCell(_HiddenStateCell):
             bias_init=activation_bias_init,
             dtype=dtype,
             param_dtype=param_dtype,
-            input_biases=("f", "n"),
-            hidden_biases=("n",) if self.reset_gate else (),
             gate_bias_inits={"if": ("forget_bias_init", forget_bias_init)},
         )
 
@@ -702,11 +920,19 @@ class MGUCell(_HiddenStateCell):
             None if n_h.bias is None else n_h.bias.value,
         )
 
-    def _settings(self, dtype: Any) -> tuple[tuple[str, Any], ...]:
-        return (*super()._settings(dtype), ("reset_gate", self.reset_gate))
+    def _settings(self, dtypes: tuple[Any, Any]) -> tuple[tuple[str, Any], ...]:
+        return (*super()._settings(dtypes), ("reset_gate", self.reset_gate))
 
-    def _kernel(self, dtype: Any) -> _Kernel:
-        return _Kernel(mgu_step, self._settings(dtype))
+    def _kernel(self, dtypes: tuple[Any, Any], dtype: Any) -> _Kernel:
+        return _Kernel(mgu_step, self._settings(dtypes), dtype)
+
+    def _biases(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return ("f", "n"), (("n",) if self.reset_gate else ())
+
+    def _update(self, carry: Carry, x_parts: list[Any], h_parts: list[Any]) -> Any:
+        return mgu_update(
+            carry, x_parts, h_parts, self.gate_fn, self.activation_fn, self.reset_gate
+        )
 
 
 class SimpleCell(_HiddenStateCell):
@@ -776,40 +1002,77 @@ class SimpleCell(_HiddenStateCell):
             bias_init=bias_init,
             dtype=dtype,
             param_dtype=param_dtype,
-            input_biases=("",),
-            hidden_biases=(),
         )
 
     def _weights(self) -> Any:
         return (self.i.kernel.value, self.i.bias.value, self.h.kernel.value)
 
-    def _settings(self, dtype: Any) -> tuple[tuple[str, Any], ...]:
+    def _settings(self, dtypes: tuple[Any, Any]) -> tuple[tuple[str, Any], ...]:
         return (
-            ("dtype", dtype),
+            ("dtypes", dtypes),
             ("activation_fn", self.activation_fn),
             ("residual", self.residual),
         )
 
-    def _kernel(self, dtype: Any) -> _Kernel:
-        return _Kernel(simple_step, self._settings(dtype))
+    def _kernel(self, dtypes: tuple[Any, Any], dtype: Any) -> _Kernel:
+        return _Kernel(simple_step, self._settings(dtypes), dtype)
+
+    def _biases(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return ("",), ()
+
+    def _update(self, carry: Carry, x_parts: list[Any], h_parts: list[Any]) -> Any:
+        (x_part,), (h_part,) = x_parts, h_parts
+        return simple_update(carry, x_part, h_part, self.activation_fn, self.residual)
 
 
 def carry_shapes(cell: Any, batch: tuple[int, ...]) -> Any:
     """The shapes of the carry that `cell` takes for inputs of batch shape `batch`."""
-    if isinstance(cell, _Cell):
+    if type(cell) in _BUILT_IN_CELLS:  # a subclass may override initialize_carry
         return cell._carry_shapes(batch)
     return tree_shapes(jax.eval_shape(lambda: cell.initialize_carry(batch)))
 
 
-def compiled_step(
-    cell: Module, carry: Carry, x: jax.Array
-) -> tuple[Any, Callable[..., Any]] | None:
-    """The variables' values and the step of one of this file's cells (None for other cells).
+@functools.cache
+def _gate_table(
+    gates: tuple[str, ...], biases: tuple[tuple[str, ...], tuple[str, ...]]
+) -> tuple[tuple[str, str, bool], ...]:
+    """``(attribute, source, has a bias)`` of each gate `Dense` a built-in cell declares."""
+    sources = (("i", biases[0]), ("h", biases[1]))
+    return tuple((f"{s}{g}", s, g in biased) for s, biased in sources for g in gates)
+
+
+def is_parameter(declaration: Any, shape: tuple[int, ...], dtype: Any, param_dtype: Any) -> bool:
+    """Whether `declaration` is exactly a `Parameter` of `shape`, `dtype` and `param_dtype`.
+
+    Such an array is what a fused path may read in place of calling the layer that holds it.
+    """
+    return (
+        type(declaration) is Parameter
+        and declaration.shape == shape
+        and declaration.dtype == dtype
+        and declaration.param_dtype == param_dtype
+    )
+
+
+def _same_dtype(a: Any, b: Any) -> bool:
+    """Whether two dtype settings (None for inferred) are the same."""
+    return a is b or (a is not None and b is not None and jnp.dtype(a) == jnp.dtype(b))
+
+
+_BUILT_IN_CELLS = frozenset((LSTMCell, OptimizedLSTMCell, GRUCell, MGUCell, SimpleCell))
+
+
+def compiled_step(cell: Module, carry: Carry, x: jax.Array) -> tuple[Any, _Kernel] | None:
+    """The variables' values and the compiled step of a cell, or None to call the cell.
+
+    Only where the step is provably the cell's own computation (`_Cell.uses_compiled_step`:
+    a built-in cell exactly, with untouched gates, nothing capturing the gates' calls); None
+    for every other cell (a subclass, a `LoRA` or other gate, `ConvLSTMCell`, a user's).
 
     Inside a call: the step is a hashable ``step(weights, carry, x)``, for a compiled function
     to take as a static argument with the weights as an argument; it computes in the dtype the
     cell would for `carry` and `x` (an input of one step, or the whole sequence).
     """
-    if isinstance(cell, _Cell):
+    if isinstance(cell, _Cell) and cell.uses_compiled_step():
         return cell._compiled(carry, x)
     return None

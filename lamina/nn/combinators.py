@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from .._core.module import Module
 from . import _checks
 
@@ -60,7 +62,7 @@ class Sequential(Module):
     @property
     def layers(self) -> tuple[Callable[..., Any], ...]:
         """The layers, in order: a tuple (assign ``seq.layers_<i>`` to replace one)."""
-        return tuple(getattr(self, f"layers_{i}") for i in range(self.num_layers))
+        return _Layers(self._ordered(), type(self).__name__)
 
     @layers.setter
     def layers(self, value: Any) -> None:
@@ -70,9 +72,12 @@ class Sequential(Module):
             f"to change the number of layers, build a new {type(self).__name__}(*layers)."
         )
 
+    def _ordered(self) -> tuple[Callable[..., Any], ...]:
+        return tuple(getattr(self, f"layers_{i}") for i in range(self.num_layers))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the layers in order."""
-        layers = self.layers
+        layers = self._ordered()
         outputs = layers[0](*args, **kwargs)
         for layer in layers[1:]:
             if isinstance(outputs, tuple):
@@ -82,3 +87,57 @@ class Sequential(Module):
             else:
                 outputs = layer(outputs)
         return outputs
+
+
+class _Layers(tuple):
+    """``seq.layers``: a tuple of the layers that says how to replace one when assigned to.
+
+    Args:
+        layers: The layers, in order.
+        owner: The Sequential's class name, for messages.
+    """
+
+    owner: str
+
+    def __new__(cls, layers: Any = (), owner: str = "Sequential") -> _Layers:
+        # `owner` has a default: code that rebuilds a tuple by its type (model surgery,
+        # `type(t)(items)`) gets a `_Layers` again.
+        result = super().__new__(cls, layers)
+        result.owner = owner
+        return result
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy and pickle
+        return tuple(self), self.owner
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        raise TypeError(self._refusal(index, "replace"))
+
+    def __delitem__(self, index: Any) -> None:
+        raise TypeError(self._refusal(index, "remove"))
+
+    def _refusal(self, index: Any, action: str) -> str:
+        owner = self.owner
+        if isinstance(index, int) and -len(self) <= index < len(self):
+            i = index % len(self)
+            replace = f"seq.layers_{i} = new_layer"
+            rebuild = (
+                f"{owner}(*seq.layers[:{i}], *seq.layers[{i + 1}:])"
+                if action == "remove"
+                else f"{owner}(*seq.layers[:{i}], new_layer, *seq.layers[{i}:])"
+            )
+        else:
+            replace = "seq.layers_<i> = new_layer"
+            rebuild = f"{owner}(*layers)"
+        return (
+            f"{owner}.layers is read-only: a tuple of the attributes layers_0, layers_1, .... "
+            f"To replace a layer, assign its attribute ({replace}); to add or remove layers, "
+            f"build a new {owner}: {rebuild}."
+        )
+
+
+# A tuple to JAX as well (`jax.tree.map` over `seq.layers`), not a leaf.
+jax.tree_util.register_pytree_node(
+    _Layers,
+    lambda layers: (tuple(layers), layers.owner),
+    lambda owner, children: _Layers(tuple(children), owner),
+)

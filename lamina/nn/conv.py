@@ -14,6 +14,7 @@ from jax import lax
 
 from .. import initializers
 from .._core.module import Module
+from .._core.sharding import gather_axis, result_sharding
 from .._core.variables import Initializer, Parameter
 from . import _checks, _dtypes
 
@@ -30,6 +31,44 @@ def _dimension_numbers(ndim: int) -> lax.ConvDimensionNumbers:
     lhs = (0, ndim - 1, *range(1, ndim - 1))
     rhs = (ndim - 1, ndim - 2, *range(ndim - 2))
     return lax.ConvDimensionNumbers(lhs, rhs, lhs)
+
+
+def _convolve(
+    x: jax.Array,
+    kernel: jax.Array,
+    strides: Sequence[int],
+    padding: CanonicalPadding,
+    *,
+    input_dilation: Sequence[int] | None,
+    dilation: Sequence[int],
+    groups: int,
+    precision: Any,
+) -> jax.Array:
+    """``lax.conv_general_dilated`` channels last, with the result's sharding on explicit axes.
+
+    `x` is ``(batch, *spatial, in)``, `kernel` ``(*window, in // groups, out)``. On a mesh with
+    explicit axes the result is ``(batch, *spatial, out)`` sharded as `result_sharding` says:
+    the batch as `x`'s, the spatial axes whole, the features as the kernel's last axis (a
+    sharded input-channel axis is summed across its devices); elsewhere JAX's default.
+    """
+    space = range(x.ndim - 2)
+    out = result_sharding(
+        ("batch", *(("y", i) for i in space), "features"),
+        (x, ("batch", *(("x", i) for i in space), "in")),
+        (kernel, (*(("window", i) for i in space), "in", "features")),
+    )
+    return lax.conv_general_dilated(
+        x,
+        kernel,
+        strides,
+        padding,
+        lhs_dilation=input_dilation,
+        rhs_dilation=dilation,
+        dimension_numbers=_dimension_numbers(x.ndim),
+        feature_group_count=groups,
+        precision=precision,
+        out_sharding=out,
+    )
 
 
 def _flatten_batch(x: jax.Array, num_spatial: int) -> tuple[jax.Array, tuple[int, ...]]:
@@ -113,16 +152,18 @@ def conv(
     """
     window = kernel.shape[:-2]
     x, batch_shape = _flatten_batch(jnp.asarray(x, dtype), len(window))
+    kernel = _masked(kernel, mask, dtype)
+    if groups > 1:
+        x, kernel = gather_axis(x, -1, groups), gather_axis(kernel, -1, groups)
     x, padding = _pad(x, window, strides, padding, dilation, input_dilation)
-    y = lax.conv_general_dilated(
+    y = _convolve(
         x,
-        _masked(kernel, mask, dtype),
+        kernel,
         strides,
         padding,
-        lhs_dilation=input_dilation,
-        rhs_dilation=dilation,
-        dimension_numbers=_dimension_numbers(x.ndim),
-        feature_group_count=groups,
+        input_dilation=input_dilation,
+        dilation=dilation,
+        groups=groups,
         precision=precision,
     )
     y = _add_bias(y, None if bias is None else jnp.asarray(bias, dtype))
@@ -161,17 +202,36 @@ def conv_local(
     """
     x, batch_shape = _flatten_batch(jnp.asarray(x, dtype), len(window))
     x, padding = _pad(x, window, strides, padding, dilation, input_dilation)
-    y = lax.conv_general_dilated_local(
-        x,
-        _masked(kernel, mask, dtype),
+    # `lax.conv_general_dilated_local` (which takes no `out_sharding`): the patches (a
+    # convolution grouped per channel, so with the channels gathered on a mesh), then one
+    # matrix product per output position, sharded as `result_sharding` says.
+    patches = lax.conv_general_dilated_patches(
+        gather_axis(x, -1),
+        window,
         strides,
         padding,
-        window,
         lhs_dilation=input_dilation,
         rhs_dilation=dilation,
         dimension_numbers=_dimension_numbers(x.ndim),
-        precision=precision,
+        precision=precision[0] if isinstance(precision, tuple) else precision,
     )
+    kernel = _masked(kernel, mask, dtype)
+    space = tuple(range(len(window)))
+    p_labels = ("batch", *(("space", i) for i in space), "patch")
+    k_labels = (*(("space", i) for i in space), "patch", "features")
+    out = result_sharding(
+        (*(("space", i) for i in space), "batch", "features"),
+        (patches, p_labels),
+        (kernel, k_labels),
+    )
+    y = lax.dot_general(
+        patches,
+        kernel,
+        (((patches.ndim - 1,), (kernel.ndim - 2,)), (tuple(i + 1 for i in space), space)),
+        precision=precision,
+        out_sharding=out,
+    )
+    y = jnp.moveaxis(y, -2, 0)
     y = _add_bias(y, None if bias is None else jnp.asarray(bias, dtype))
     return jnp.reshape(y, batch_shape + y.shape[1:])
 
@@ -200,13 +260,27 @@ def conv_transpose(
     """
     num_spatial = kernel.ndim - 2
     x, batch_shape = _flatten_batch(jnp.asarray(x, dtype), num_spatial)
-    y = lax.conv_transpose(
+    kernel, window = _masked(kernel, mask, dtype), kernel.shape[:-2]
+    if transpose_kernel:
+        # The gradient of a forward convolution: its kernel with the window flipped and the
+        # channel axes swapped.
+        kernel = jnp.swapaxes(lax.rev(kernel, tuple(range(num_spatial))), -1, -2)
+    # `lax.conv_transpose` (which takes no `out_sharding`): a convolution of the input dilated
+    # by the strides, padded as it pads.
+    if isinstance(padding, str):
+        named = "VALID" if padding == "CIRCULAR" else padding
+        spans = [(k - 1) * d + 1 if k else 0 for k, d in zip(window, dilation, strict=True)]
+        lax_pads = tuple(_transpose_pads(k, s, named) for k, s in zip(spans, strides, strict=True))
+    else:
+        lax_pads = padding
+    y = _convolve(
         x,
-        _masked(kernel, mask, dtype),
-        strides,
-        "VALID" if padding == "CIRCULAR" else padding,
-        rhs_dilation=dilation,
-        transpose_kernel=transpose_kernel,
+        kernel,
+        (1,) * num_spatial,
+        lax_pads,
+        input_dilation=strides,
+        dilation=dilation,
+        groups=1,
         precision=precision,
     )
     if padding == "CIRCULAR":
@@ -224,6 +298,18 @@ def conv_transpose(
             y = y.sum(axis=i)
     y = _add_bias(y, None if bias is None else jnp.asarray(bias, dtype))
     return jnp.reshape(y, batch_shape + y.shape[1:])
+
+
+def _transpose_pads(span: int, stride: int, padding: str) -> tuple[int, int]:
+    # One spatial axis's (low, high) padding of `lax.conv_transpose` for a padding name; `span`
+    # is the dilated window.
+    if padding == "SAME":
+        total = span + stride - 2
+        low = span - 1 if stride > span - 1 else -(-total // 2)
+    else:
+        total = span + stride - 2 + max(span - stride, 0)
+        low = span - 1
+    return low, total - low
 
 
 def _layer_name(layer: str, in_size: Any, out_size: Any, kernel_size: Any) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._core.frame import require_frame
 from .._core.module import Module
 from ..activations import sigmoid, tanh
 from . import _checks, _dtypes
@@ -205,10 +206,12 @@ class ConvLSTMCell(Module):
                 f"with hidden_size channels). Create one with "
                 f"cell.initialize_carry({shape[:-1]})."
             )
-        convs = (self.ih, self.hh)
-        weights = [conv.kernel.value for conv in convs]
-        weights += [conv.bias.value for conv in convs if conv.bias is not None]
-        dtype = step_dtype(self, self.dtype, carry, x, weights)
+        # The convolutions are called as modules (whatever they are: a `LoRA`, a user's), so
+        # the step's dtype comes from the input, the carry and the values of the variables
+        # under the cell, not from reading the convolutions' own arrays.
+        frame = require_frame(f"{type(self).__name__}.__call__")
+        values = [frame.values[slot] for slot in frame.plan.slots_of(self)]
+        dtype = step_dtype(self, self.dtype, carry, x, values)
         h = carry[1]
         x_gates = self.ih(jnp.asarray(x, dtype))
         h_gates = self.hh(jnp.asarray(h, dtype))

@@ -13,6 +13,7 @@ from jax import lax
 
 from .. import initializers
 from .._core.module import Module
+from .._core.sharding import result_sharding
 from .._core.variables import Initializer, Parameter
 from . import _checks, _dtypes
 
@@ -24,10 +25,15 @@ def dense(
     """``x @ kernel + bias`` over the last axis of `x`, computed in `dtype`.
 
     One compiled call: eagerly it costs one dispatch instead of three, and inside `jax.jit`
-    it inlines into the caller's program.
+    it inlines into the caller's program. On a mesh with explicit axes the result is sharded
+    as `result_sharding` says (the batch axes as `x`'s, the features as the kernel's columns).
     """
     x, kernel = jnp.asarray(x, dtype), jnp.asarray(kernel, dtype)
-    y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+    batch = tuple(range(x.ndim - 1))
+    out = result_sharding((*batch, "out"), (x, (*batch, "in")), (kernel, ("in", "out")))
+    y = lax.dot_general(
+        x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision, out_sharding=out
+    )
     if bias is not None:
         y = y + jnp.reshape(jnp.asarray(bias, dtype), (1,) * (y.ndim - 1) + (-1,))
     return y
@@ -131,8 +137,16 @@ class Dense(Module):
 
 @jax.jit
 def embed_lookup(embedding: jax.Array, ids: jax.Array) -> jax.Array:
-    """Rows of `embedding` for the integer `ids` (any shape)."""
-    return jnp.take(embedding, ids, axis=0)
+    """Rows of `embedding` for the integer `ids` (any shape).
+
+    On a mesh with explicit axes the rows come sharded as `ids` (and the features as the
+    table's columns, `result_sharding`); an id past the end gives NaN rows, as `jnp.take`.
+    """
+    labels = tuple(range(ids.ndim))
+    out = result_sharding((*labels, "size"), (ids, labels), (embedding, ("rows", "size")))
+    if out is None:
+        return jnp.take(embedding, ids, axis=0)
+    return embedding.at[ids].get(mode="fill", out_sharding=out)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "precision"))
@@ -141,8 +155,16 @@ def embed_attend(
 ) -> jax.Array:
     """``query @ embedding.T``: similarity of each query vector to every embedding."""
     query, embedding = jnp.asarray(query, dtype), jnp.asarray(embedding, dtype)
+    batch = tuple(range(query.ndim - 1))
+    out = result_sharding(
+        (*batch, "rows"), (query, (*batch, "size")), (embedding, ("rows", "size"))
+    )
     return lax.dot_general(
-        query, embedding, (((query.ndim - 1,), (1,)), ((), ())), precision=precision
+        query,
+        embedding,
+        (((query.ndim - 1,), (1,)), ((), ())),
+        precision=precision,
+        out_sharding=out,
     )
 
 

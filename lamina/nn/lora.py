@@ -380,7 +380,10 @@ def merge_lora(model: Module, variables: Variables) -> tuple[Module, Variables]:
             lora = folds[id(entry.state)]
             lora_a = present[old_keys[id(lora.lora_a)]]
             lora_b = present[old_keys[id(lora.lora_b)]]
-            value = merge_kernel(value, lora_a, lora_b, lora.scale)
+            merge = functools.partial(merge_kernel, scale=lora.scale)
+            for _ in entry.axes:  # inside a Stack: one merge per copy
+                merge = jax.vmap(merge)
+            value = merge(value, lora_a, lora_b)
         items.append((entry.key, value))
     return merged, nest(items)
 

@@ -21,11 +21,17 @@ declares three `Cache` variables (collection ``"cache"``, Linen's names and layo
 the cached positions up to and including its own. A step may hold one position (Linen's
 decoding) or several (a prompt, in one call): decoding a sequence in steps gives the outputs
 of the full ``causal=True`` pass. To start a new sequence, use fresh ``"cache"`` variables
-(from `init`, or zeros). A step that would go past ``max_length`` raises `ValueError` when
-the index is concrete (eager calls); under `jax.jit` (or `jax.vmap`) the index is traced and
-cannot raise, so such a step leaves ``cached_key`` and ``cached_value`` unchanged, still
-advances ``cache_index`` and returns NaN outputs: the overflow shows instead of silently
-overwriting the last position as Linen does.
+(from `init`, or zeros).
+
+A step that would go past ``max_length`` is an error, never a result (Linen silently
+overwrites the last position). When the index is concrete (eager calls) it raises
+`ValueError` before anything runs. Under `jax.jit` (or `jax.vmap`, `lax.scan`) the index is
+traced, so the program checks it when it runs: a step that overflows calls back to the host
+(`jax.debug.callback`, only then: a step that fits costs one comparison) and the call fails
+with a `jax.errors.JaxRuntimeError` (a `RuntimeError`) whose message holds the same
+"decoding past max_length" text; where dispatch is asynchronous (accelerators) it may surface
+at the first use of the result. As a last guard, the outputs of such a step are NaN and the
+cached keys and values are left unchanged.
 """
 
 from __future__ import annotations
@@ -37,13 +43,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .. import initializers
+from .._core.casting import check_cast
 from .._core.module import Module
 from .._core.records import sow
 from .._core.rng import next_rng_key
-from .._core.variables import Cache, Initializer
+from .._core.variables import Cache, Initializer, Parameter, State
 from . import _checks, _dtypes
 from ._projections import Projection, dense_general
 from .attention import check_broadcast, check_key, check_mask, dot_product_attention
@@ -90,7 +98,7 @@ def _cache_and_mask(
         return key, value, mask, None, None
     cached_key, cached_value, index = cache
     max_length = cached_key.shape[-3]
-    fits = index + q_len <= max_length
+    fits = (index >= 0) & (index <= max_length - q_len)  # no int32 wrap of index + q_len
     zero = jnp.zeros((), index.dtype)
     starts = (zero,) * len(batch) + (index, zero, zero)
     # The cache keeps its own dtype (the compute dtype, or param_dtype with dtype=None).
@@ -463,17 +471,30 @@ class MultiHeadAttention(Module):
             check_key(name, "dropout_rng", dropout_rng)
 
         inputs = (inputs_q, inputs_k, inputs_v)
-        projections = (self.query.arrays(), self.key.arrays(), self.value.arrays())
-        # Each projection computes in its own dtype, as Linen's DenseGeneral (dtype=None:
-        # the promotion of its input and variables).
-        dtypes = tuple(
-            _dtypes.compute_dtype(self, self.dtype, x, *p)
-            for x, p in zip(inputs, projections, strict=True)
-        )
-        query, key, value = _project(inputs, projections, dtypes, self.precision)
+        layers = (self.query, self.key, self.value)
+        heads = (self.num_heads, self.head_dim)
+        if all(type(layer) is Projection for layer in layers):
+            # The fused path (one compiled call for the three): only for the layer's own
+            # projections, whose computation it provably is.
+            projections = tuple(self._arrays(name) for name in ("query", "key", "value"))
+            # Each projection computes in its own dtype, as Linen's DenseGeneral (dtype=None:
+            # the promotion of its input and variables).
+            dtypes = tuple(
+                _dtypes.compute_dtype(self, self.dtype, x, *p)
+                for x, p in zip(inputs, projections, strict=True)
+            )
+            query, key, value = _project(inputs, projections, dtypes, self.precision)
+        else:
+            names = ("query", "key", "value")
+            query, key, value = (
+                self._projected(name, layer, x, 1, (*jnp.shape(x)[:-1], *heads))
+                for name, layer, x in zip(names, layers, inputs, strict=True)
+            )
         if self.query_ln is not None and self.key_ln is not None:
             query, key = self.query_ln(query), self.key_ln(key)
         fits = None
+        if cache is not None:
+            self._check_cache_kind(key, value)
         if cache is not None or causal or mask is not None:
             key, value, mask, new_cache, fits = _cache_and_mask(
                 key, value, mask, cache, self.num_heads, q_len, causal and not decode
@@ -490,9 +511,41 @@ class MultiHeadAttention(Module):
                 f"returns one vector per query position and head, as "
                 f"lm.dot_product_attention."
             )
-        kernel, bias = self.out.arrays()
+        if type(self.out) is not Projection:
+            out = self._projected("out", self.out, x, 2, (*batch, q_len, self.out_size))
+            return out if fits is None else jnp.where(fits, out, jnp.nan)
+        kernel, bias = self._arrays("out")
         dtype = _dtypes.compute_dtype(self, self.dtype, x, kernel, bias)
         return _output(x, kernel, bias, fits, dtype, self.precision)
+
+    def _projected(
+        self, name: str, layer: Any, x: jax.Array, n_contract: int, expected: tuple[int, ...]
+    ) -> jax.Array:
+        """One projection: the layer's own, or a module put in its place, called as a module.
+
+        A replaced projection (e.g. ``mha.query = lm.DenseGeneral(...)``, or a LoRA-style
+        wrapper of the user's) is called, never read for a ``kernel``: its computation is its
+        own. Its output must have the shape the attention takes.
+        """
+        if type(layer) is Projection:
+            kernel, bias = self._arrays(name)
+            dtype = _dtypes.compute_dtype(self, self.dtype, x, kernel, bias)
+            return dense_general(x, kernel, bias, n_contract, dtype, self.precision)
+        if not callable(layer):
+            raise TypeError(
+                f"{_dtypes._name(self)}: its {name!r} projection was replaced by a "
+                f"{type(layer).__name__}, which cannot be called. Put a module that maps "
+                f"{tuple(jnp.shape(x))} to {expected} there (e.g. lm.DenseGeneral)."
+            )
+        y = layer(x)
+        if tuple(jnp.shape(y)) != expected:
+            raise ValueError(
+                f"{_dtypes._name(self)}: its {name!r} projection, a {type(layer).__name__} put "
+                f"in place of the layer's own, maps an input of shape {tuple(jnp.shape(x))} to "
+                f"{tuple(jnp.shape(y))}, but the attention needs {expected}. Give it the "
+                f"output shape of the projection it replaces."
+            )
+        return y
 
     def _attend(
         self,
@@ -542,6 +595,66 @@ class MultiHeadAttention(Module):
         kwargs = {k: v for k, v in offered.items() if k in accepted}
         return self.attention_fn(query, key, value, **kwargs)
 
+    def _arrays(self, name: str) -> tuple[jax.Array, jax.Array | None]:
+        """The kernel and bias of the projection `name`, the layer's own `Projection`.
+
+        They are read, not called: the kernel must still be exactly a `Parameter` of the shape
+        the layer built (a replaced one of another shape would change the heads' shape
+        silently), the bias none or a `Parameter` of its shape.
+        """
+        layer = getattr(self, name)
+        heads = (self.num_heads, self.head_dim)
+        sizes = {"query": self.in_size, "key": self.key_size, "value": self.value_size}
+        if name == "out":
+            shapes: tuple[tuple[int, ...], tuple[int, ...]] = (
+                (*heads, self.out_size),
+                (self.out_size,),
+            )
+        else:
+            shapes = ((sizes[name], *heads), heads)
+        own = layer.__dict__
+        kernel, bias = own.get("kernel"), own.get("bias")
+        for what, declaration, shape in (("kernel", kernel, shapes[0]), ("bias", bias, shapes[1])):
+            if what == "bias" and declaration is None:
+                continue
+            if type(declaration) is not Parameter or declaration.shape != shape:
+                got = (
+                    f"a {type(declaration).__name__} of shape {declaration.shape}"
+                    if isinstance(declaration, State)
+                    else f"{type(declaration).__name__}"
+                )
+                raise ValueError(
+                    f"{_dtypes._name(self)}: its {name!r} projection's {what} is {got}, but "
+                    f"the layer reads it as a Parameter of shape {shape}. Put back a "
+                    f"Parameter of that shape (or None for the bias), or replace the whole "
+                    f"projection by a module (e.g. mha.{name} = lm.DenseGeneral(...))."
+                )
+        return layer.arrays()
+
+    def _check_cache_kind(self, key: jax.Array, value: jax.Array) -> None:
+        """Refuses keys or values whose kind the cache's dtype cannot hold.
+
+        Complex ones in a real cache would lose their imaginary part (`check_cast` says so).
+        The cache stores the compute dtype (`param_dtype` with ``dtype=None``), so a wider
+        float (float32 keys in a bfloat16 cache) is rounded to it, as declared; a change of
+        kind is not a rounding.
+        """
+        for what, array, cached in (
+            ("keys", key, self.cached_key),
+            ("values", value, self.cached_value),
+        ):
+            target = cached.param_dtype
+            if _kind(array.dtype) <= _kind(target):
+                continue
+            message = (
+                f"{_dtypes._name(self)} cannot write this step's {array.dtype} {what} to its "
+                f"decoding cache, stored as {target} (the layer's dtype, or param_dtype with "
+                f"dtype=None; set with dtype={self.dtype}, param_dtype={self.param_dtype}). "
+                f"Build the layer with dtype={array.dtype} (or param_dtype={array.dtype} with "
+                f"dtype=None) to decode {array.dtype} inputs"
+            )
+            check_cast(array, target, functools.partial(str, message))
+
     def _cache_for_step(
         self, batch: tuple[int, ...], q_len: int, k_shape: tuple[int, ...]
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -566,16 +679,62 @@ class MultiHeadAttention(Module):
                 f"{k_shape}."
             )
         index = self.cache_index.value
-        if not isinstance(index, jax.core.Tracer):
-            start = int(index)
-            if start + q_len > max_length:
-                raise ValueError(
-                    f"{name}: decoding past max_length: cache_index is {start} and this step "
-                    f"writes {q_len} position(s), but the cache holds max_length={max_length} "
-                    f"(decode_shape={self.decode_shape}). Start a new sequence with fresh "
-                    f"'cache' variables, or build the layer with a larger decode_shape."
+        where = _dtypes._name(self)
+
+        def overflow(start: Any) -> str:
+            if start < 0:
+                return (
+                    f"{where}: cache_index is {start}, but it counts the positions written "
+                    f"so far (0 to max_length={max_length}): the 'cache' variables were "
+                    f"edited or corrupted. Start a new sequence with fresh 'cache' variables "
+                    f"(from init, or zeros)."
                 )
+            return (
+                f"{where}: decoding past max_length: cache_index is {start} and this step "
+                f"writes {q_len} position(s), but the cache holds max_length={max_length} "
+                f"(decode_shape={self.decode_shape}). Start a new sequence with fresh "
+                f"'cache' variables, or build the layer with a larger decode_shape."
+            )
+
+        if not isinstance(index, jax.core.Tracer):
+            if not 0 <= int(index) <= max_length - q_len:
+                raise ValueError(overflow(int(index)))
+        else:
+            _check_at_run_time(index, q_len, max_length, overflow)
         return self.cached_key.value, self.cached_value.value, index
+
+
+def _kind(dtype: Any) -> int:
+    """0 bool, 1 integer, 2 float, 3 complex: a cast to a lower kind loses a part."""
+    kinds = (jnp.complexfloating, jnp.floating, jnp.integer)
+    return next((3 - i for i, kind in enumerate(kinds) if jnp.issubdtype(dtype, kind)), 0)
+
+
+def _check_at_run_time(
+    index: jax.Array, q_len: int, max_length: int, message: Callable[[Any], str]
+) -> None:
+    """Raises, when the program runs, if a traced `index` is negative or past `max_length`.
+
+    The traced program holds a `lax.cond` whose taken branch calls the host
+    (`jax.debug.callback`) only when the step overflows, so a step that fits costs one
+    comparison on the device. The callback raises `ValueError`; JAX reports it as a
+    `JaxRuntimeError` whose message contains it, from the call (or from the first use of its
+    result, where dispatch is asynchronous). Under `jax.vmap` the branch runs for every
+    member, so the callback checks the values again.
+    """
+
+    def refuse(start: Any) -> None:
+        starts = np.asarray(start, np.int64)
+        wrong = starts[(starts < 0) | (starts > max_length - q_len)]
+        if wrong.size:
+            raise ValueError(message(int(wrong.min() if wrong.min() < 0 else wrong.max())))
+
+    # `max_length - q_len` is a Python int: ``index + q_len`` could wrap past 2**31 - 1.
+    lax.cond(
+        jnp.any((index < 0) | (index > max_length - q_len)),
+        lambda: jax.debug.callback(refuse, index),
+        lambda: None,
+    )
 
 
 # The keyword arguments MultiHeadAttention offers its attention_fn: lamina's names and Linen's.

@@ -1,11 +1,15 @@
 """`RNN`: runs a recurrent cell over the time axis of a sequence (`jax.lax.scan`), as Linen's.
 
-No lifted transform is involved and nothing is written inside the loop: for the cells of
-`cells.py` (`LSTMCell`, `OptimizedLSTMCell`, `GRUCell`, `MGUCell`, `SimpleCell`), `RNN` reads
-the cell's variables once and passes them to one compiled function, `rnn_scan` (so an eager
-call compiles once per configuration, not once per call); any other cell (`ConvLSTMCell`, a
-user's) is called inside the scan body, which closes over the arrays that the active `apply`
-call has bound to the cell's variables.
+No lifted transform is involved and nothing is written inside the loop. Where the compiled
+step is provably the cell's own computation (`cells.compiled_step`: exactly `LSTMCell`,
+`OptimizedLSTMCell`, `GRUCell`, `MGUCell` or `SimpleCell`, its gates untouched `Dense`
+layers, nothing capturing module outputs), `RNN` reads the cell's variables once and passes
+them to one compiled function, `rnn_scan` (so an eager call compiles once per configuration,
+not once per call). Every other cell (a subclass, a cell with a `LoRA` or otherwise replaced
+gate, `ConvLSTMCell`, a user's) has its own `__call__` called inside the scan body, which
+closes over the arrays that the active `apply` call has bound to the cell's variables; what
+it records (`lm.sow`, `lm.perturb`, `lm.capture_intermediates`) comes out with a leading
+axis of the steps.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from jax import lax
 from .._core.frame import require_frame
 from .._core.module import Module
 from . import _checks
-from .cells import Carry, carry_shapes, compiled_step, tree_shapes
+from .cells import Carry, _Cell, carry_shapes, compiled_step, promote_carry, tree_shapes
 
 
 @functools.partial(jax.jit, static_argnames=("num_batch_dims", "time_major"))
@@ -92,8 +96,13 @@ def _scan_sequence(
     return_carry: bool,
     unroll: int | bool,
     feature_axes: int,
+    extras: bool = False,
 ) -> tuple[Carry, Any]:
-    """Linen's `RNN` over ``step(carry, x, t)``: returns ``(final_carry, outputs)``."""
+    """Linen's `RNN` over ``step(carry, x, t)``: returns ``(final_carry, outputs)``.
+
+    With `extras`, the step returns ``(carry, (y, extra))`` and the outputs are ``(outputs,
+    extras)``, the extras stacked over the steps in the order they ran (axis 0).
+    """
     time_axis = 0 if time_major else inputs.ndim - feature_axes - 1
     num_batch_dims = inputs.ndim - feature_axes - 1
     if seq_lengths is not None:
@@ -113,12 +122,13 @@ def _scan_sequence(
         (_, carry), ys = lax.scan(masked_step, (carry, carry), (xs, steps), unroll=unroll)
     else:
         carry, ys = lax.scan(lambda c, x_t: step(c, *x_t), carry, (xs, steps), unroll=unroll)
+    ys, stacked = ys if extras else (ys, None)
     outputs = jax.tree.map(lambda y: jnp.moveaxis(y, 0, time_axis), ys)
     if reverse and keep_order:
         outputs = jax.tree.map(
             lambda y: flip_sequences(y, seq_lengths, num_batch_dims, time_major), outputs
         )
-    return carry, outputs
+    return carry, ((outputs, stacked) if extras else outputs)
 
 
 @functools.partial(
@@ -189,6 +199,15 @@ class RNN(Module):
             bidirectional RNN needs). Ignored without `reverse`, as in Linen.
         return_carry: Return ``(final_carry, outputs)`` instead of the outputs alone.
         unroll: Scan iterations unrolled into one loop iteration (`jax.lax.scan`'s `unroll`).
+
+    Records: what the cell records with `lm.sow` (or `lm.perturb`, or what
+    `lm.capture_intermediates` captures inside it) at each step comes out under the cell's
+    path with a leading axis of the steps, in the order the cell ran them (reversed with
+    `reverse`), as `lm.scan`'s records do; given entries under the cell's path go in with
+    that axis. (Linen's `RNN` needs ``variable_axes={"intermediates": 1}`` for that.)
+
+    Dtypes: with a cell of ``dtype=None``, a complex input makes the carry complex from the
+    first step (the cells' promotion, as Linen's cells; Linen's `RNN` fails there).
 
     As in Linen, a call can override `time_major`, `reverse`, `keep_order` and `return_carry`
     (``rnn(x, reverse=True, keep_order=True)``: what `Bidirectional` does with its backward
@@ -353,20 +372,72 @@ class RNN(Module):
         compiled = compiled_step(cell, carry, inputs)
         if compiled is not None:
             weights, kernel = compiled
+            carry = promote_carry(carry, kernel.dtype)
             carry, outputs = rnn_scan(weights, carry, inputs, seq_lengths, kernel, **settings)
         else:
-            # A fresh function per call: `lax.scan` caches its trace (constants included, and
-            # the cell's values are constants of the body) by the identity of the function.
-            # Each step runs in a frame of its own, so the cell's keys differ per time step.
-            frame_for = require_frame(f"{type(self).__name__}.__call__").iterations(
-                f"RNN's cell {type(cell).__name__}"
-            )
-
-            def step(state: Carry, x: jax.Array, t: jax.Array) -> tuple[Carry, Any]:
-                with frame_for(t):
-                    return cell(state, x)
-
-            carry, outputs = _scan_sequence(
-                step, carry, inputs, seq_lengths, feature_axes=feature_axes, **settings
+            if isinstance(cell, _Cell):
+                carry = promote_carry(carry, cell.scan_dtype(carry, inputs))
+            carry, outputs = self._scan_cell(
+                cell, carry, inputs, seq_lengths, feature_axes, settings
             )
         return (carry, outputs) if settings["return_carry"] else outputs
+
+    def _scan_cell(
+        self,
+        cell: Any,
+        carry: Carry,
+        inputs: jax.Array,
+        seq_lengths: jax.Array | None,
+        feature_axes: int,
+        settings: dict[str, Any],
+    ) -> tuple[Carry, Any]:
+        """Calls the cell at every step (the general path), its records carried through.
+
+        Each step runs in a frame of its own, so the cell's keys differ per time step. What
+        the cell records (`lm.sow`, `lm.perturb`, `lm.capture_intermediates`) comes out with
+        a leading axis of the steps, in the order the cell ran them; given entries under the
+        cell's path go in with that axis, others as they are.
+        """
+        frame = require_frame(f"{type(self).__name__}.__call__")
+        inside = f"RNN's cell {type(cell).__name__}"
+        frame_for = frame.iterations(inside)
+        outer = frame.records
+        mapped: dict[str, dict[tuple, Any]] = {}
+        shared: dict[str, dict[tuple, Any]] = {}
+        if outer is not None:
+            path = frame.plan.module_paths()[id(cell)]
+            for collection, entries in outer.given.items():
+                mapped[collection], shared[collection] = {}, {}
+                for key, value in entries.items():
+                    target = mapped if key[: len(path)] == path else shared
+                    target[collection][key] = value
+        inner: list[Any] = []
+
+        # A fresh function per call: `lax.scan` caches its trace (constants included, and
+        # the cell's values are constants of the body) by the identity of the function.
+        def step(state: Carry, x: jax.Array, t: jax.Array) -> tuple[Carry, Any]:
+            with frame_for(t) as step_frame:
+                if outer is None:
+                    return cell(state, x)
+                given = {c: dict(entries) for c, entries in shared.items()}
+                for collection, entries in mapped.items():
+                    for key, value in entries.items():
+                        given[collection][key] = jax.tree.map(lambda a: a[t], value)
+                step_frame.records = records = outer.nested(given)
+                inner[:] = [records]
+                new_state, y = cell(state, x)
+                return new_state, (y, records.out)
+
+        carry, outputs = _scan_sequence(
+            step,
+            carry,
+            inputs,
+            seq_lengths,
+            feature_axes=feature_axes,
+            extras=outer is not None,
+            **settings,
+        )
+        if outer is not None:
+            outputs, produced = outputs
+            outer.absorb(inner[0], produced, inside)
+        return carry, outputs

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._core.graph import walk
-from .._core.lift import Carry, checkpoint, scan, split_rngs
+from .._core.lift import Carry, checkpoint, scan
 from .._core.module import Module
-from .._core.variables import State
 from . import _checks
 
 
@@ -20,13 +18,21 @@ class Stack(Module):
     traced program, and the compile time, do not grow with ``n``. Every random stream is
     split per copy, so each layer draws its own dropout masks.
 
-    ``stack.block`` is the template: its variables carry the leading axis. For an ensemble
-    instead of a sequence, map over it: ``lm.vmap(lambda m, x: m(x), in_axes=(0, None))(
-    stack.block, x)``.
+    ``stack.block`` is the template and is not changed: the leading axis is the plan's
+    (`VariableEntry.axes`), added to every variable reached through ``block`` (and only
+    there: the attributes a subclass adds keep their declared shapes), so
+    ``lm.transform(stack.block)`` plans one copy with the declared shapes. Inside the model
+    the block's variables hold every copy, so the block runs only on one copy at a time:
+    through the stack, or, for an ensemble instead of a sequence, mapped over the axis:
+    ``lm.vmap(lambda m, x: m(x), in_axes=(0, None))(stack.block, x)``. Calling
+    ``stack.block`` (or reading its variables) directly is an error; the variables dict
+    holds all copies. Stacks nest (the outer axis first).
 
     Args:
         block: A module that maps ``x -> x`` (same shape and dtype), such as a residual
-            block. It becomes the stack's own: do not use it elsewhere.
+            block. It belongs to this stack: using the same object outside it, or in
+            another Stack, is an error when the model is planned (stack a
+            ``copy.deepcopy(block)`` instead); to share weights, share the whole stack.
         n: The number of copies.
         remat: Rematerialise each block in the backward pass (`checkpoint`), trading
             compute for memory.
@@ -90,13 +96,16 @@ class Stack(Module):
                 f"the stacked leading axis, got {depth_sharding!r}."
             )
         self.depth_sharding = depth_sharding
-        for _, node in walk(block):
-            if isinstance(node, State):
-                names = getattr(node, "_lamina_axis_names", (None,) * len(node._lamina_axes))
-                node._lamina_axes = (self.n, *node._lamina_axes)
-                # the logical names of the leading axes, read by the plan (Plan.variables)
-                setattr(node, "_lamina_axis_names", (depth_sharding, *names))  # noqa: B010
-        self.block = block
+        self.block = block  # not changed: the plan's walk adds the axis (_lamina_stacked_axis)
+
+    def _lamina_stacked_axis(self) -> tuple[int, str | None, tuple[str, ...]]:
+        """The axis the plan stores in front of every variable of the block.
+
+        Returns:
+            ``(n, its logical name, the attributes it stacks)``: only ``block``, so the
+            attributes a subclass adds (a final norm, a gain) keep their declared shapes.
+        """
+        return self.n, self.depth_sharding, ("block",)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         """Runs the copies in sequence: ``x = block_i(x, *args, **kwargs)`` for i < n."""
@@ -105,8 +114,12 @@ class Stack(Module):
             return block(x, *args, **kwargs)
 
         run = checkpoint(step) if self.remat else step
-        with split_rngs(splits=self.n):
-            lifted = scan(
-                run, in_axes=(0, Carry), out_axes=Carry, length=self.n, unroll=self.unroll
-            )
-            return lifted(self.block, x)
+        lifted = scan(
+            run,
+            in_axes=(0, Carry),
+            out_axes=Carry,
+            length=self.n,
+            unroll=self.unroll,
+            split_rngs=True,  # every stream, one key per copy
+        )
+        return lifted(self.block, x)

@@ -151,7 +151,11 @@ class _WeightWrapper(Module):
                     f"{self._where()}: the layer has no parameter at {'/'.join(path)} any more; "
                     f"it was changed after it was wrapped. Wrap the new layer instead."
                 )
-            replacements[state] = replacement(path, state.value)
+            # The layer reads the parameter in its compute dtype whatever the wrapper's
+            # `dtype`, as Linen's layer casts the normalised kernel it is given: the cast is
+            # the wrapper's explicit choice (a bfloat16 `Dense` computes with a bfloat16
+            # kernel), so the substitution's widening-only rule does not refuse it.
+            replacements[state] = replacement(path, state.value).astype(state.dtype)
         with substituted(replacements, where=self._where()):
             return self.layer(*args, **kwargs)
 
@@ -306,8 +310,10 @@ class SpectralNorm(_WeightWrapper):
             value, u_value, n_steps=self.n_steps, epsilon=self.epsilon, dtype=dtype
         )
         if update_stats:
-            u.value = new_u
-            sigma.value = new_sigma
+            # Stored in param_dtype, as Linen's: rounding the new estimates is the layer's
+            # choice, so the cast is explicit (a narrowing write would be an error).
+            u.value = new_u.astype(u.param_dtype)
+            sigma.value = new_sigma.astype(sigma.param_dtype)
         return normalized
 
 

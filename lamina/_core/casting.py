@@ -1,0 +1,301 @@
+"""How a value enters a variable: a cast may widen it, never narrow its dtype or change its kind.
+
+Every way a value reaches a variable's storage checks its dtype here (`check_cast`): a write
+inside a call (`Frame.write`), a read of a value that `apply` was given in another dtype
+(`State.value`), a substitution (`substitution.substituted`), an initializer that returns
+another dtype (`transform._initial_value`), and ``.value =`` or `assign_variables` before
+`transform`. The rule is decided by dtypes, so it holds under `jax.jit` as it does eagerly;
+values are looked at only where they are known and the dtypes leave it open:
+
+- A value in the variable's storage dtype is stored as it is. One in its compute dtype (a
+  declaration with ``dtype`` wider than ``param_dtype`` says that storage rounds) is too, but
+  where its values are known they must be within the storage's range (1e5 into float16
+  storage is a `ValueError`; a traced one is accepted, as declared).
+- Otherwise the cast must widen: bool to anything, an integer to an integer type that holds
+  every value of it, an integer to a float whose range holds it, a float to a float (or complex)
+  with at least its precision and range. int32 to int8, float32 to float16 or bfloat16,
+  bfloat16 to float16, uint8 to int8 all narrow, and a float becoming an int or a complex a
+  real loses its kind: each is a `TypeError` that says how to cast explicitly.
+- Python numbers and weak-typed arrays take the variable's dtype, as in JAX's weak-type
+  promotion (``int8_array + jnp.where(c, 1, 0)`` is int8), whatever their size; their kind
+  must not be higher. Where the value is known it must fit (`check_number`: 300 into int8, -1
+  into uint32 and 1e300 into float32 are `ValueError`, as is ``jnp.full(shape, 1e5)`` into
+  float16; ``3_000_000_000`` into uint32 is fine). A traced one (``jnp.where(x > 0, 1.0, 0.0)``
+  under `jax.jit`, or a Python number passed to a jitted function) has unknown values: it is
+  cast as JAX's promotion casts it, so values beyond the target's range wrap (integers) or
+  become inf (floats) exactly as they would in ``int8_array + x``.
+- Without ``jax_enable_x64``, 64-bit NumPy values become 32-bit as everywhere in JAX; their
+  values must fit.
+
+A value fits when every integer lies within ``np.iinfo(target)`` (a sign change narrows:
+uint8 200 into int8, -1 into uint8), and every finite float within the target's finite range
+(for a complex target, both parts within its component's): `narrowing_damage`, shared with
+`from_torch`. Values that `assign_variables`, ``.value =`` and initializers install may narrow
+within their kind: loading float32 weights into a bfloat16 model, or drawing them with
+``jax.random.normal`` for it, is surgery on initial values, not a silent cast. Concrete ones
+must fit; traced ones (``jax.jit(init)``, a Stack's copies) are cast, rounding as the cast does.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["check_cast", "check_number", "is_number", "narrowing_damage"]
+
+
+def check_cast(
+    value: Any,
+    target: Any,
+    what: Callable[[], str],
+    also: Any = None,
+    *,
+    by_value: bool = False,
+    given: Any = None,
+) -> None:
+    """Raises if `value` may not enter a variable stored as `target` (see the module's rule).
+
+    Args:
+        value: The array, NumPy array or tracer entering the variable (its ``dtype`` and
+            ``weak_type`` decide; its values are looked at only where the rule says so).
+        target: The variable's storage dtype (``param_dtype``).
+        what: Builds the start of the message (only on failure), e.g. ``"cannot write a
+            int32 value to State at counters/steps, stored as int8"``.
+        also: A second dtype that is stored as it is: the variable's compute dtype. Its
+            concrete values must still fit in `target` (rounding is what it declares).
+        by_value: Accept a narrower dtype of the same kind when the concrete values survive
+            the cast but for rounding (``.value =``, `assign_variables` and initializers);
+            a tracer's values are unknown, so a narrower dtype of its kind is accepted.
+        given: What the user wrote, if `value` was made from it: a Python number is known
+            even where its array is a tracer (``jnp.asarray(300)`` under `jax.jit`).
+
+    Raises:
+        TypeError: The cast would narrow a strong dtype, drop a fraction or an imaginary part,
+            or turn numbers into bools, or the value is not numeric. A weak-typed tracer of a
+            kind no higher than `target` is accepted: its values are unknown, and the caller's
+            cast wraps (integers) or overflows to inf (floats) those beyond `target`'s range,
+            exactly as JAX's weak-type promotion does.
+        ValueError: A concrete value that must fit (a Python number, a weak-typed array, a
+            64-bit NumPy value without x64, an assigned value, a value in the compute dtype)
+            does not.
+    """
+    source = value.dtype
+    if source == target:
+        return
+    if is_number(given):
+        check_number(given, target, what)
+        return
+    if also is not None and source == also:  # declared rounding; its range is still checked
+        _raise_damage(narrowing_damage(value, np.dtype(source), np.dtype(target)), what)
+        return
+    source, target = np.dtype(source), np.dtype(target)
+    weak = bool(getattr(value, "weak_type", False))
+    x64 = jax.dtypes.canonicalize_dtype(np.int64) == np.dtype(np.int64)
+    verdict = _verdict(source, target, weak, bool(x64))
+    if verdict == "widens":
+        return
+    if verdict in ("fits", "weak") or (verdict == "narrows" and by_value):
+        _raise_damage(narrowing_damage(value, source, target), what)
+        return
+    raise TypeError(f"{what()}: {_refusal(verdict, source, target)}")
+
+
+# Python's numbers, by exact type: NumPy's scalars (np.float64 subclasses float) are arrays.
+_PYTHON_DTYPES = {bool: np.bool_, int: np.int64, float: np.float64, complex: np.complex128}
+
+
+def is_number(value: Any) -> bool:
+    """Whether `value` is a Python number (not a NumPy scalar): JAX types it weakly."""
+    return type(value) in _PYTHON_DTYPES
+
+
+def check_number(number: Any, target: Any, what: Callable[[], str]) -> None:
+    """Raises if the Python `number` may not be stored as `target` (see the module's rule).
+
+    A Python number takes the variable's dtype, as in JAX's weak-type promotion: its kind
+    must not be higher (1.5 into an int is a `TypeError`) and its value must fit (300 into
+    int8, -1 into uint32 or 1e300 into float32 is a `ValueError`). Ints beyond int32 are
+    fine where they fit (``3_000_000_000`` into uint32).
+    """
+    target = np.dtype(target)
+    source = np.dtype(jax.dtypes.canonicalize_dtype(_PYTHON_DTYPES[type(number)]))
+    x64 = jax.dtypes.canonicalize_dtype(np.int64) == np.dtype(np.int64)
+    verdict = _verdict(source, target, True, bool(x64))
+    if verdict not in ("widens", "weak"):
+        raise TypeError(f"{what()}: {_refusal(verdict, source, target)}")
+    _raise_damage(narrowing_damage(number, source, target), what)
+
+
+def _raise_damage(damage: str | None, what: Callable[[], str]) -> None:
+    if damage is not None:
+        raise ValueError(
+            f"{what()}: {damage}. Declare the variable with a wider dtype, or bring the "
+            f"values into range first."
+        )
+
+
+def _refusal(verdict: str, source: np.dtype, target: np.dtype) -> str:
+    name = f"jnp.{target.name}"
+    if verdict == "not numeric":
+        return (
+            f"a {source} array is not a numeric array (strings and Python objects cannot be "
+            f"variables). Pass numbers: an array of a numeric dtype such as {name}."
+        )
+    if verdict == "imaginary":
+        return (
+            f"the cast would drop the imaginary part. Convert it explicitly "
+            f"(jnp.real(x).astype({name})), or declare the variable with dtype={source}."
+        )
+    if verdict == "fraction":
+        return (
+            f"the cast would drop the fraction. Convert it explicitly "
+            f"(jnp.round(x).astype({name})), or declare the variable with dtype={source}."
+        )
+    if verdict == "truth":
+        return (
+            f"the cast would turn every nonzero value into True. Compare explicitly (x != 0), "
+            f"or declare the variable with dtype={source}."
+        )
+    source = np.dtype(jax.dtypes.canonicalize_dtype(source))  # int64 is int32 without x64
+    if _rank(target) == 1:
+        loss = "wrap the values that do not fit"
+    elif _rank(source) == 1:
+        loss = "turn large values into inf"
+    else:
+        loss = "round the values, or turn those beyond its range into inf"
+    rounding = ""
+    if _rank(target) in (2, 3) and _rank(source) in (2, 3):
+        rounding = (
+            f", or declare that storage rounds (dtype={source}, param_dtype={target}: a "
+            f"compute dtype wider than the storage is accepted and rounded into it)"
+        )
+    return (
+        f"{source} is wider than {target}, and the cast would {loss}. Casts into a variable "
+        f"only widen: cast explicitly if the loss is meant (x.astype({name})){rounding}, or "
+        f"store the variable as {source} (param_dtype={source})."
+    )
+
+
+@functools.cache
+def _verdict(source: np.dtype, target: np.dtype, weak: bool, x64: bool) -> str:
+    """What storing a `source` value as `target` does (`x64`: part of the cache's key).
+
+    Returns:
+        ``widens``, ``fits`` (allowed if the concrete values fit), ``narrows`` (refused
+        unless judged by value), ``weak`` (a weak-typed value whose dtype `target` does not
+        hold: judged by value where concrete, cast as JAX promotes where traced), ``fraction``,
+        ``imaginary``, ``truth`` (a number to a bool) or ``not numeric``.
+    """
+    have, want = _rank(source), _rank(target)
+    if have is None or want is None:
+        return "not numeric"
+    if have > want:
+        return {3: "imaginary", 2: "fraction"}.get(have, "truth")
+    canonical = np.dtype(jax.dtypes.canonicalize_dtype(source))
+    if _holds(canonical, target):
+        return "widens" if canonical == source else "fits"
+    # A Python number takes the variable's dtype, as in JAX's promotion: where it is known
+    # its value must fit; where it is traced, it is cast as JAX's promotion casts it.
+    return "weak" if weak else "narrows"
+
+
+def _rank(dtype: np.dtype) -> int | None:
+    """0 bool, 1 integer, 2 float, 3 complex; None for what is not a number."""
+    # jnp.issubdtype, not NumPy's `kind`: bfloat16 and the float8 kinds have kind "V"
+    for rank, kind in enumerate((jnp.bool_, jnp.integer, jnp.floating, jnp.complexfloating)):
+        if jnp.issubdtype(dtype, kind):
+            return rank
+    return None
+
+
+def _holds(source: np.dtype, target: np.dtype) -> bool:
+    """Whether `target` holds every value of `source`, a kind no higher (ints round in floats)."""
+    if source == target or np.can_cast(source, target, "safe") or _rank(source) == 0:
+        return True
+    if _rank(target) == 1:
+        return False  # integers: NumPy's safe casting decided
+    wide = jnp.finfo(target)
+    if _rank(source) == 1:
+        return float(wide.max) >= float(jnp.iinfo(source).max)
+    narrow = jnp.finfo(source)
+    return bool(
+        wide.nmant >= narrow.nmant and wide.maxexp >= narrow.maxexp and wide.minexp <= narrow.minexp
+    )
+
+
+def narrowing_damage(array: Any, source: np.dtype, target: np.dtype) -> str | None:
+    """What casting the concrete `array` to a narrower `target` would break.
+
+    Integers beyond the target's range (``np.iinfo``: 200 into int8, -1 into uint8) wrap
+    around, and finite numbers beyond a float target's range (for a complex target, either
+    part beyond its component's) become inf (or NaN in float8 kinds without inf); rounding
+    within the range is a cast's business. Tracers (values not known yet) and other kinds of
+    cast (a float into an integer) are not judged here.
+
+    Args:
+        array: The values: an array, a NumPy array or a Python number (any size).
+        source: The dtype `array` has (for a Python number: its weak dtype, which tells its
+            kind; its value may lie beyond it).
+        target: The dtype it would be cast to.
+
+    Returns:
+        A description for an error message, or None when the cast keeps every value.
+    """
+    if isinstance(array, jax.core.Tracer):
+        return None
+    if not is_number(array) and np.can_cast(source, target, "safe"):
+        return None
+    have, want = _rank(source), _rank(target)
+    if have is None or want is None or have > want or want == 0:
+        return None  # another kind: check_cast decides
+    values = np.asarray(array)
+    if not values.size:
+        return None
+    if want == 1:
+        info = np.iinfo(target)
+        low, high = int(values.min()), int(values.max())
+        if low < info.min or high > info.max:
+            return (
+                f"its values ({low} to {high}) do not fit in {target} ({info.min} to "
+                f"{info.max}), and a cast would wrap them"
+            )
+        return None
+    part = np.dtype(jnp.finfo(target).dtype)  # a complex target's component
+    parts = (values.real, values.imag) if have == 3 else (values,)
+    lost = [_beyond(p, part) for p in parts]
+    count = sum(int(p.sum()) for p in lost)
+    if not count:
+        return None
+    largest = max(
+        _magnitude(np.abs(p[m].astype(object)).max())
+        for p, m in zip(parts, lost, strict=True)
+        if m.any()
+    )
+    limit = float(jnp.finfo(part).max)
+    within = f"largest {limit:g}" if want == 2 else f"each part at most {limit:g}"
+    return (
+        f"{count} finite value(s) (the largest {largest:g}) are beyond {target}'s range "
+        f"({within}), and a cast would make them inf or NaN"
+    )
+
+
+def _magnitude(value: Any) -> float:
+    try:
+        return abs(float(value))
+    except OverflowError:  # a Python int beyond float64
+        return float("inf")
+
+
+def _beyond(values: np.ndarray, target: np.dtype) -> np.ndarray:
+    """Which of the real `values` are finite but become inf or NaN as the float `target`."""
+    if values.dtype.kind in "biuO":  # integers (Python's unbounded ones too) are finite
+        limit = int(float(jnp.finfo(target).max))
+        return np.asarray(np.abs(values.astype(object)) > limit, dtype=bool)
+    with np.errstate(over="ignore", invalid="ignore"):  # what the cast breaks is the question
+        cast = values.astype(target).astype(np.float64)
+        return np.asarray(np.isfinite(values.astype(np.float64)) & ~np.isfinite(cast))
