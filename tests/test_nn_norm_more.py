@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import lamina as lm
-from lamina._core.substitution import substituted
+from lamina.nn._substitution import substituted
 from tests.helpers import assert_close as assert_real_close
 from tests.helpers import layout
 

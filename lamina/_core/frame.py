@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import jax.numpy as jnp
 from jax.extend.core import get_opaque_trace_state
 
-from .casting import check_cast, check_number, is_number
+from .checks import check_cast, check_number, is_number
 from .errors import (
     ImmutableVariableError,
     TraceContextError,

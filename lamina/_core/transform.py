@@ -17,14 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .casting import check_cast, check_number, is_number
+from .checks import check_cast, check_number, is_number
 from .copying import freeze
 from .errors import RngError, VariablesError, check_flags, format_list, format_path
 from .frame import Frame, PendingValues
 from .graph import Plan, VariableEntry, deep_recursion
 from .layout import bind_variables, check_variables, flatten_variables
 from .module import Module
-from .records import CAPTURE, Records, finish, split_requests
+from ..records.records import CAPTURE, Records, finish, split_requests
 from .rng import RngStreams, check_rngs
 from .types import Variables
 from .variables import Assigned

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..initializers import from_jax
-from .casting import check_cast, check_number, is_number, narrowing_damage
+from .checks import check_cast, check_number, is_number, narrowing_damage
 from .copying import copy_object
 from .errors import format_path
 from .frame import current_frame, frame_of, where_is

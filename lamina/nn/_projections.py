@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._core.module import Module
-from .._core.sharding import result_sharding
+from ..sharding.shardings import result_sharding
 from .._core.variables import Initializer, Parameter
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._core.records import sow
+from ..records.records import sow
 from .._core.rng import _is_key as is_key
 from .._core.rng import next_rng_key
 from . import _checks, _dtypes

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from .. import initializers
 from .._core.module import Module
-from .._core.sharding import result_sharding
+from ..sharding.shardings import result_sharding
 from .._core.variables import Initializer, Parameter
 from . import _checks, _dtypes
 

@@ -47,9 +47,9 @@ import numpy as np
 from jax import lax
 
 from .. import initializers
-from .._core.casting import check_cast
+from .._core.checks import check_cast
 from .._core.module import Module
-from .._core.records import sow
+from ..records.records import sow
 from .._core.rng import next_rng_key
 from .._core.variables import Cache, Initializer, Parameter, State
 from . import _checks, _dtypes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._core.lift import Carry, checkpoint, scan
+from ..lift.lift import Carry, checkpoint, scan
 from .._core.module import Module
 from . import _checks
 

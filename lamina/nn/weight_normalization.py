@@ -3,7 +3,7 @@
 Each is numerically Flax Linen's wrapper of the same name. ``SpectralNorm(layer)`` and
 ``WeightNorm(layer)`` hold the layer (any lamina module: a `Dense`, a `Conv`, a block of
 them) and call it with some of its parameters replaced by normalised versions of themselves,
-computed on every call (`lamina._core.substitution`, Linen's ``nn.map_variables``): the layer
+computed on every call (`lamina.nn._substitution`, Linen's ``nn.map_variables``): the layer
 itself is unchanged, and the gradients reach its own parameters through the normalisation.
 
 Variable paths (lamina declares every variable when the model is built and allows no ``/``
@@ -32,7 +32,7 @@ from .. import initializers
 from .._core.errors import format_path
 from .._core.graph import walk
 from .._core.module import Module
-from .._core.substitution import substituted
+from ._substitution import substituted
 from .._core.variables import BatchStat, Initializer, Parameter, State
 from . import _checks, _dtypes
 from .norm import _show, axes_setting, promote

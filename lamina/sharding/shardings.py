@@ -18,10 +18,10 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .graph import Plan, VariableEntry
-from .layout import nest
-from .module import Module
-from .types import Variables
+from .._core.graph import Plan, VariableEntry
+from .._core.layout import nest
+from .._core.module import Module
+from .._core.types import Variables
 
 __all__ = ["Rules", "match_sharding", "result_sharding", "shardings", "unshard_leading"]
 

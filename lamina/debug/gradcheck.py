@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import format_list
-from .layout import flatten_variables, nest
-from .module import Module
+from .._core.errors import format_list
+from .._core.layout import flatten_variables, nest
+from .._core.module import Module
 
 Selection = str | Sequence[str] | Mapping[str, Any] | None
 """Which variables `check_gradients` checks: collection name(s) or a boolean mask tree."""

@@ -28,14 +28,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .errors import RngError, format_path
-from .filters import describe, to_predicate
-from .frame import Frame, current_frame
-from .graph import Plan
-from .module import Module
-from .rng import RngStreams, stream_label
-from .sharding import match_sharding, unshard_leading
-from .variables import State
+from .._core.errors import RngError, format_path
+from ..selection.filters import describe, to_predicate
+from .._core.frame import Frame, current_frame
+from .._core.graph import Plan
+from .._core.module import Module
+from .._core.rng import RngStreams, stream_label
+from ..sharding.shardings import match_sharding, unshard_leading
+from .._core.variables import State
 
 
 class Carry:

@@ -17,13 +17,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .errors import format_list
+from .._core.errors import format_list
 from .filters import Filter, Predicate, describe, to_predicate
-from .graph import Plan, VariableEntry
-from .layout import nest, present_variables
-from .module import Module
-from .selection import matches, merge, nothing_selected
-from .variables import Parameter
+from .._core.graph import Plan, VariableEntry
+from .._core.layout import nest, present_variables
+from .._core.module import Module
+from .split import matches, merge, nothing_selected
+from .._core.variables import Parameter
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,8 +32,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from .frame import Frame, check_cast, current_frame, frame_of, where_is
-from .variables import State
+from .._core.frame import Frame, check_cast, current_frame, frame_of, where_is
+from .._core.variables import State
 
 
 @contextlib.contextmanager
@@ -53,7 +53,7 @@ def substituted(replacements: Mapping[State, Any], where: str = "substituted") -
 
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
-        >>> from lamina._core.substitution import substituted
+        >>> from lamina.nn._substitution import substituted
         >>> class Doubled(lm.Module):
         ...     def __init__(self):
         ...         super().__init__()

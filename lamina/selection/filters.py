@@ -42,12 +42,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 from typing import Any as AnyType
 
-from .errors import Path
-from .module import Module
-from .variables import State
+from .._core.errors import Path
+from .._core.module import Module
+from .._core.variables import State
 
 if TYPE_CHECKING:
-    from .graph import Plan
+    from .._core.graph import Plan
 
 Predicate = Callable[[Path, State], bool]
 Filter = AnyType  # a predicate or a literal that `to_predicate` converts

@@ -16,11 +16,11 @@ own call (``lm.vmap``/``lm.scan`` over the block).
 
 from __future__ import annotations
 
-from .errors import VariablesError, format_list, format_path
-from .graph import FlatKey, Plan
-from .layout import check_variables, flatten_variables, nest
-from .module import Module
-from .types import Variables
+from .._core.errors import VariablesError, format_list, format_path
+from .._core.graph import FlatKey, Plan
+from .._core.layout import check_variables, flatten_variables, nest
+from .._core.module import Module
+from .._core.types import Variables
 
 
 def _pairs(

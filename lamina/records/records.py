@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import VariablesError, format_path
-from .frame import current_frame, require_frame
-from .module import CALL_CODES, Module, register_calls, running_module
+from .._core.errors import VariablesError, format_path
+from .._core.frame import current_frame, require_frame
+from .._core.module import CALL_CODES, Module, register_calls, running_module
 
 Key = tuple  # a module's path plus the record's name
 
