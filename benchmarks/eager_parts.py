@@ -24,7 +24,7 @@ import lamina as lm
 from lamina._core.frame import Frame
 from lamina._core.graph import Plan
 from lamina._core.layout import bind_variables
-from lamina.records.records import split_requests
+from lamina._core.recording import split_requests
 from lamina._core.rng import RngStreams
 from lamina.nn import _checks, _dtypes
 from lamina.nn.linear import dense

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._core.errors import format_path
+from ._core.checks import format_path
 from ._core.graph import Plan
 from ._core.module import Module
 

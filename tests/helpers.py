@@ -1,4 +1,4 @@
-"""Helpers shared by the layer tests (`tests/test_nn_*.py`, `test_layers_common.py`, LoRA)."""
+"""Helpers shared by the tests of the layers (`tests/test_nn_*.py`, the layer table, LoRA)."""
 
 from __future__ import annotations
 
@@ -56,3 +56,32 @@ def assert_close(
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         scale = max(1.0, float(np.max(np.abs(b), initial=0.0)))
         np.testing.assert_allclose(a, b, rtol=rtol, atol=atol * scale)
+
+
+def assert_close_complex(got: Any, expected: Any, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """`assert_close` for trees that may hold complex leaves.
+
+    The same layout (shapes and dtypes, leaf by leaf), then the values within tolerance, a
+    complex leaf compared as the pair of its real and imaginary parts.
+    """
+    assert layout(got) == layout(expected)
+
+    def parts(x: Any) -> Any:
+        x = jnp.asarray(x)
+        return jnp.stack([x.real, x.imag]) if jnp.iscomplexobj(x) else x
+
+    assert_close(jax.tree.map(parts, got), jax.tree.map(parts, expected), rtol, atol)
+
+
+def shifted_normal(
+    shape: tuple[int, ...], seed: int = 0, dtype: Any = jnp.float32, offset: float = 1.0
+) -> jax.Array:
+    """Normal data around `offset` (so that the mean matters), from NumPy's generator.
+
+    A complex `dtype` gets an imaginary part too.
+    """
+    rng = np.random.default_rng(seed)
+    x = offset + 2.0 * rng.standard_normal(shape)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        x = x + 1j * (rng.standard_normal(shape) - 0.5)
+    return jnp.asarray(x, dtype)

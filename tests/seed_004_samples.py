@@ -1,4 +1,6 @@
-"""The code samples of seed 004 (the Metoryx article), verbatim, in the article's order.
+"""The code samples of the Metoryx article, verbatim, in the article's order.
+
+The article is the seed `../shared/seeds/004_a6172f56ed72f6a5.txt`.
 
 Each entry is ``(title, code)``. `tests/test_seed_examples.py` runs them with
 ``import lamina as mx`` in place of ``import metoryx as mx`` and checks that every one is

@@ -160,8 +160,8 @@ def test_adamw_decays_frozen_weights_unless_masked():
 
 
 def test_a_filter_that_selects_nothing_is_an_error_when_grad_is_made():
-    """The issue's case: DiffState(0, "param") returned {} and a fine-tuning loop trained
-    nothing (the collection is "params")."""
+    """DiffState(0, "param") (the collection is "params") selects nothing: an error, not an
+    empty gradient that leaves a fine-tuning loop training nothing."""
     with pytest.raises(
         ValueError,
         match=r"(?s)lm.grad: the filter 'param' selects no variable of Net\..*"

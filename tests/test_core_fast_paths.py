@@ -1,6 +1,6 @@
 """The fast paths of transform and apply decide exactly what the careful paths decided.
 
-Each test pins one shortcut taken for speed (issue 14) to the behaviour it must keep: a leaf
+Each test pins one shortcut taken for speed to the behaviour it must keep: a leaf
 that is not an array is still refused by `apply`, a complex input is still refused by a real
 layer, and the snapshot shares immutable settings while copying everything mutable.
 """

@@ -1,4 +1,4 @@
-"""The checks every layer must pass, over the table in `tests/layer_table.py`."""
+"""The checks every layer must pass, over the table in `tests/layer_table/`."""
 
 import json
 import os
@@ -228,11 +228,11 @@ def covered(case):
 
 
 def test_every_public_layer_is_in_the_table():
-    """A public layer without an entry in tests/layer_table.py is a failure (as Haiku's)."""
+    """A public layer without an entry in tests/layer_table/ is a failure (as Haiku's)."""
     in_table = set().union(*(covered(case) for case in LAYERS))
     missing = sorted(public_layers() - in_table - set(NOT_LAYERS))
     assert not missing, (
-        f"public layers missing from tests/layer_table.py: {missing}; add an entry to LAYERS "
+        f"public layers missing from tests/layer_table/: {missing}; add an entry to LAYERS "
         f"(or, if it is not a layer, to NOT_LAYERS with the reason)"
     )
     assert not set(NOT_LAYERS) & in_table, "an entry of NOT_LAYERS is in the table after all"

@@ -1,7 +1,7 @@
 """Flax Linen's variables drive lamina's layers as they are: same collections, paths, shapes.
 
-SPEC section 8 ("Flax Linen variables load directly"), over every entry of the layer table
-(`tests/layer_table.py`). Each entry has either a Linen twin in `LINEN` (the same layer built
+Linen's variables load directly into the lamina layer, over every entry of the layer table
+(`tests/layer_table/`). Each entry has either a Linen twin in `LINEN` (the same layer built
 with ``flax.linen``, and how its call differs) or a reason in `NO_LINEN`;
 `test_every_table_entry_says_how_it_compares` fails for an entry with neither, so a new layer
 must say.
@@ -46,6 +46,7 @@ from jax import lax
 import lamina as lm
 from tests.helpers import assert_close
 from tests.layer_table import BY_NAME, IDS, LAYERS, LayerCase, cast_inputs
+from tests.linen_helpers import randomize
 
 DROPOUT_KEY = jax.random.key(42)
 FIRST_DROPOUT_KEY = jax.random.fold_in(DROPOUT_KEY, 0)  # what lamina's first draw gets
@@ -158,7 +159,7 @@ LINEN: dict[str, Twin] = {
     "conv3d": twin(lambda: nn.Conv(3, (2, 2, 2), kernel_dilation=(1, 2, 1))),
     "conv_transpose2d": twin(lambda: nn.ConvTranspose(2, (3, 3), strides=(2, 2))),
     # Linen (lax) takes only explicit pairs with an input dilation; lamina's default "SAME"
-    # means the pairs of the dilated (7, 5) input (tests/test_nn_conv_more.py)
+    # means the pairs of the dilated (7, 5) input (tests/test_nn_conv.py)
     "conv_masked_input_dilation": Twin(
         lambda m: nn.Conv(
             4,
@@ -293,14 +294,15 @@ NO_LINEN: dict[str, str] = {
         "params/layer_instance/{kernel,bias} and batch_stats/'layer_instance/kernel/u' and "
         "/'layer_instance/kernel/sigma'; lamina holds params/layer/{kernel,bias}, "
         "batch_stats/u/kernel and batch_stats/sigma/kernel (DOCUMENTED_DIFFERENCES). Equal to "
-        "Linen after that renaming in tests/test_nn_norm_more.py::test_spectral_norm_matches_linen"
+        "Linen after that renaming in "
+        "tests/test_nn_weight_normalization.py::test_spectral_norm_matches_linen"
     ),
     "weight_norm_conv_whole": (
         "layout differs by design: Linen's nn.WeightNorm(nn.Conv(4, (3, 3))) holds "
         "params/layer_instance/{kernel,bias} and params/'layer_instance/kernel/scale'; lamina "
         "holds params/layer/{kernel,bias} and params/scale/kernel (DOCUMENTED_DIFFERENCES). "
         "Equal to Linen after that renaming in "
-        "tests/test_nn_norm_more.py::test_weight_norm_matches_linen"
+        "tests/test_nn_weight_normalization.py::test_weight_norm_matches_linen"
     ),
 }
 
@@ -339,23 +341,6 @@ def to_dict(tree: Any) -> Any:
     if hasattr(tree, "items"):
         return {k: to_dict(v) for k, v in tree.items()}
     return tree
-
-
-def randomize(variables: Any, seed: int = 1) -> Any:
-    """The same tree with non-trivial values (positive variances, scales near one)."""
-    rng = np.random.default_rng(seed)
-
-    def value(path: tuple, leaf: Any) -> jax.Array:
-        name = str(getattr(path[-1], "key", path[-1]))
-        if name == "var":
-            x = rng.uniform(0.5, 2.0, leaf.shape)
-        elif name == "scale":
-            x = 1.0 + 0.5 * rng.standard_normal(leaf.shape)
-        else:
-            x = rng.standard_normal(leaf.shape)
-        return jnp.asarray(x, leaf.dtype)
-
-    return jax.tree_util.tree_map_with_path(value, variables)
 
 
 # What Linen holds and lamina does not, for the entries of NO_LINEN whose layouts differ by

@@ -8,8 +8,8 @@ import pytest
 from jax import lax
 
 import lamina as lm
-from lamina.nn._checks import SettingTypeError
-from tests.helpers import abstract_init, normal
+from lamina._core.errors import SettingTypeError
+from tests.helpers import abstract_init, assert_close, layout, normal
 
 TOL = {"rtol": 1e-5, "atol": 1e-4}
 
@@ -545,3 +545,34 @@ def test_settings_are_keyword_only_and_read_only():
             setattr(layer, name, value)
     with pytest.raises(TypeError, match=r"a_init must be an initializer"):
         lm.LoRA(lm.Dense(5, 4), rank=2, a_init="he")
+
+
+def test_lora_dtype_follows_the_base_and_infers_with_it(rng):
+    """LoRA's dtype, left out, is its base's: a fixed dtype, or None (inferred per call)."""
+    assert lm.LoRA(lm.Dense(5, 4), 2).dtype == jnp.float32
+    assert lm.LoRA(lm.Dense(5, 4, dtype=jnp.bfloat16), 2).dtype == jnp.bfloat16
+    layer = lm.LoRA(lm.Dense(5, 4, dtype=None, param_dtype=jnp.bfloat16), 2)
+    assert layer.dtype is None and layer.param_dtype == jnp.bfloat16
+    init, apply = lm.transform(layer)
+    variables = init(jax.random.key(0))
+    assert {v.dtype for v in jax.tree.leaves(variables)} == {jnp.dtype(jnp.bfloat16)}
+    y, _ = apply(variables, None, normal(rng, 3, 5, dtype=jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16
+    with pytest.raises(TypeError, match=r"param_dtype=complex64 is complex but dtype=float32"):
+        lm.LoRA(lm.Dense(5, 4), 2, param_dtype=jnp.complex64)
+
+
+def test_lora_of_a_masked_conv_is_refused():
+    with pytest.raises(ValueError, match=r"the base Conv has a mask; LoRA adapts unmasked Convs"):
+        lm.LoRA(lm.Conv(2, 3, 3, mask=np.ones((3, 2, 3))), 2)
+
+
+def test_lora_of_an_input_dilated_conv_merges_exactly(rng):
+    layer = lm.LoRA(lm.Conv(2, 3, 3, input_dilation=2), 2, b_init=lm.initializers.normal(0.5))
+    init, apply = lm.transform(layer)
+    variables = init(jax.random.key(0))
+    x = normal(rng, 2, 5, 2)
+    merged, merged_variables = lm.merge_lora(layer, variables)
+    expected, _ = lm.transform(merged).apply(merged_variables, None, x)
+    assert layout(expected) == layout(apply(variables, None, x)[0])
+    assert_close(apply(variables, None, x)[0], expected, rtol=1e-5, atol=1e-5)

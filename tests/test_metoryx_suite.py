@@ -1,15 +1,16 @@
 """Metoryx's own test suite, rewritten for lamina (``import lamina as mx``).
 
-Metoryx (the library of seed 004) tests its layers against Flax Linen and its initializers
-by their shapes and values: ``metoryx/_src/linear_test.py``, ``normalization_test.py``,
-``pool_test.py`` and ``initializers_test.py``. Every behaviour those files check is checked
-here, and so is the behaviour of ``metoryx/_src/base.py`` (which has no test file of its own):
+Metoryx (the library of the seed `../shared/seeds/004_a6172f56ed72f6a5.txt`) tests its layers
+against Flax Linen and its initializers by their shapes and values:
+``metoryx/_src/linear_test.py``, ``normalization_test.py``, ``pool_test.py`` and
+``initializers_test.py``. Every behaviour those files check is checked here, and so is the
+behaviour of ``metoryx/_src/base.py`` (which has no test file of its own):
 variables, transforms, random keys, `assign_variables`.
 
 Where lamina differs from Metoryx's released code on purpose (it follows the seed article
 and Linen), the test checks lamina's behaviour and that Metoryx's spelling fails with a clear
 error instead of building a different model; each such test says what Metoryx does. The
-README's "coming from Metoryx" notes list every such difference.
+section "Where lamina differs from Metoryx" of docs/coming-from.md lists every such difference.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The seed's MNIST program, unchanged but for `import lamina as mx`, on real data.
+"""The Metoryx article's MNIST program, unchanged but for `import lamina as mx`, on real data.
 
 It reads MNIST through TensorFlow Datasets; `tests/tf_shim.py` serves the same pipeline from
 an MNIST-format folder (Fashion-MNIST from Debian's dataset-fashion-mnist). The program is

@@ -16,7 +16,7 @@ from tests.helpers import apply_to
 
 # (id, constructor call, error type, message pattern)
 CONSTRUCTOR_ERRORS = [
-    # Dense: sizes (the ZeroDivisionError and Parameter shape error), options
+    # Dense: sizes (a clear error, not a ZeroDivisionError or a Parameter shape error), options
     (
         "dense-in-0",
         lambda: lm.Dense(0, 4),

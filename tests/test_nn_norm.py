@@ -1,4 +1,11 @@
-"""BatchNorm, LayerNorm, RMSNorm and GroupNorm against Flax Linen, given the same weights."""
+"""The normalisations over statistics against Flax Linen, given the same weights.
+
+`BatchNorm`, `LayerNorm`, `RMSNorm`, `GroupNorm` and `InstanceNorm`: the layout of their
+variables, outputs, updated statistics and gradients (parameters and inputs) equal Linen's,
+with masks, reduction and feature axes, ``group_size``, the two-pass variance, complex inputs
+(and the complex running mean of `BatchNorm`), the dtype contract, statistics averaged over a
+mapped axis; every error a user can cause.
+"""
 
 import functools
 
@@ -10,7 +17,16 @@ import pytest
 
 import lamina as lm
 from lamina import BatchNorm, GroupNorm, LayerNorm, RMSNorm
-from tests.helpers import assert_close, layout
+from tests.helpers import assert_close, assert_close_complex, layout, shifted_normal
+from tests.linen_helpers import (
+    compare_with_linen,
+    linen_init,
+    linen_random_variables,
+    linen_results,
+    linen_shapes,
+    our_results,
+    randomize,
+)
 
 FEATURES = 6
 GROUPS = 3
@@ -33,20 +49,14 @@ def make(kind, **options):
     return nn.GroupNorm(num_groups=GROUPS, **linen_options), GroupNorm(GROUPS, FEATURES, **options)
 
 
-def linen_init(kind, module, x, shapes_only=False):
-    """Linen's init variables (or, with `shapes_only`, their shapes and dtypes)."""
-    options = {"use_running_average": False} if kind == "batch" else {}
-
-    def init(x):
-        return module.init(jax.random.key(0), x, **options)
-
-    with jax.numpy_dtype_promotion("standard"):  # Linen mixes bfloat16 and float32 implicitly
-        return dict(jax.eval_shape(init, x) if shapes_only else jax.jit(init)(x))
+def init_options(kind):
+    """The keyword arguments of Linen's init: BatchNorm initialises in training mode."""
+    return {"use_running_average": False} if kind == "batch" else {}
 
 
-def random_variables(kind, module, x, key):
+def random_variables(kind, module, x):
     """Variables in Linen's layout with non-trivial values."""
-    return randomize(linen_init(kind, module, x, shapes_only=True), key)
+    return linen_random_variables(module, x, **init_options(kind))
 
 
 def linen_run(kind, module, variables, x, is_training=None):
@@ -77,23 +87,6 @@ def ours_run(kind, module, variables, x, is_training=None):
     return apply(variables, None, *args)
 
 
-def randomize(variables, key):
-    """Non-trivial values in the same layout: scale near 1, positive variances."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(variables)
-    new = []
-    for i, (path, leaf) in enumerate(leaves):
-        k = jax.random.fold_in(key, i)
-        name = path[-1].key
-        if name == "var":
-            value = jax.random.uniform(k, leaf.shape, minval=0.5, maxval=2.0)
-        elif name == "scale":
-            value = 1.0 + 0.5 * jax.random.normal(k, leaf.shape)
-        else:
-            value = jax.random.normal(k, leaf.shape)
-        new.append(value.astype(leaf.dtype))
-    return treedef.unflatten(new)
-
-
 def inputs(key, shape, dtype=jnp.float32):
     return (1.0 + 2.0 * jax.random.normal(key, shape)).astype(dtype)
 
@@ -120,11 +113,11 @@ OPTIONS = [
 def test_init_layout_and_options_match_linen(getkey, kind, options):
     linen, ours = make(kind, **options)
     x = inputs(getkey(), SHAPES["2d"])
-    expected = linen_init(kind, linen, x)
+    expected = linen_init(linen, x, **init_options(kind))
     init = lm.transform(ours).init(getkey())
     assert layout(init) == layout(expected)
     assert_close(init, expected, rtol=0, atol=0)  # ones, zeros, constants: exactly Linen's
-    variables = randomize(expected, getkey())
+    variables = randomize(expected)
     is_training = True if kind == "batch" else None
     y_linen, stats_linen = linen_run(kind, linen, variables, x, is_training)
     y, new = ours_run(kind, ours, variables, x, is_training)
@@ -151,7 +144,7 @@ def test_batch_norm_variables_are_linen_names_and_kinds():
 def test_batch_norm_matches_linen(getkey, shape, is_training):
     linen, ours = make("batch", momentum=0.9)
     x = inputs(getkey(), SHAPES[shape])
-    variables = random_variables("batch", linen, x, getkey())
+    variables = random_variables("batch", linen, x)
     y_linen, stats_linen = linen_run("batch", linen, variables, x, is_training)
     y, new = ours_run("batch", ours, variables, x, is_training)
     assert_close(y, y_linen)
@@ -182,7 +175,7 @@ def test_batch_norm_matches_linen(getkey, shape, is_training):
 def test_stateless_norms_match_linen(getkey, kind, shape):
     linen, ours = make(kind)
     x = inputs(getkey(), SHAPES[shape])
-    variables = random_variables(kind, linen, x, getkey())
+    variables = random_variables(kind, linen, x)
     y_linen, _ = linen_run(kind, linen, variables, x)
     y, new = ours_run(kind, ours, variables, x)
     assert y.shape == x.shape and y.dtype == jnp.float32
@@ -212,7 +205,7 @@ def test_variance_is_linens_fast_variance(getkey, kind):
         linen, ours = nn.BatchNorm(**options), BatchNorm(64, **options)
     else:
         linen, ours = nn.LayerNorm(**options), LayerNorm(64, **options)
-    variables = random_variables(kind, linen, x, getkey())
+    variables = random_variables(kind, linen, x)
     is_training = True if kind == "batch" else None
     y_linen, _ = linen_run(kind, linen, variables, x, is_training)
     y, _ = ours_run(kind, ours, variables, x, is_training)
@@ -236,7 +229,7 @@ def test_batch_norm_training_steps_match_linen(getkey):
     linen, ours = make("batch", momentum=0.8)
     _, apply = lm.transform(ours)
     step = jax.jit(lambda v, x: apply(v, None, x, True))  # is_training: a literal in the program
-    variables = random_variables("batch", linen, inputs(getkey(), (8, FEATURES)), getkey())
+    variables = random_variables("batch", linen, inputs(getkey(), (8, FEATURES)))
     theirs = variables
     for i in range(5):
         x = inputs(getkey(), (8, FEATURES)) * (i + 1)
@@ -255,9 +248,7 @@ def test_batch_norm_training_steps_match_linen(getkey):
 def test_batch_norm_running_average_formula(getkey):
     x = inputs(getkey(), SHAPES["4d"])
     _, apply = lm.transform(BatchNorm(FEATURES, momentum=0.75))
-    variables = randomize(
-        jax.eval_shape(lm.transform(BatchNorm(FEATURES)).init, getkey()), getkey()
-    )
+    variables = randomize(jax.eval_shape(lm.transform(BatchNorm(FEATURES)).init, getkey()))
     _, new = apply(variables, None, x, True)
     old = variables["batch_stats"]
     flat = np.asarray(x, np.float64).reshape(-1, FEATURES)
@@ -280,9 +271,7 @@ def test_batch_norm_running_average_formula(getkey):
 def test_batch_norm_eval_writes_nothing(getkey):
     x = inputs(getkey(), SHAPES["4d"])
     _, apply = lm.transform(BatchNorm(FEATURES))
-    variables = randomize(
-        jax.eval_shape(lm.transform(BatchNorm(FEATURES)).init, getkey()), getkey()
-    )
+    variables = randomize(jax.eval_shape(lm.transform(BatchNorm(FEATURES)).init, getkey()))
     for run in (apply, jax.jit(apply, static_argnums=3)):
         y, new = run(variables, None, x, False)
         for name in ("mean", "var"):
@@ -305,7 +294,7 @@ def test_batch_norm_eval_writes_nothing(getkey):
 def test_batch_norm_axis_name_equals_concatenated_batch_and_linen(getkey):
     linen, ours = make("batch", momentum=0.9, axis_name="data")
     xs = inputs(getkey(), (3, 4, 2, FEATURES))  # 3 replicas of a (4, 2, features) batch
-    variables = random_variables("batch", linen, xs[0], getkey())
+    variables = random_variables("batch", linen, xs[0])
     _, apply = lm.transform(ours)
     y, new = jax.vmap(lambda x: apply(variables, None, x, True), axis_name="data")(xs)
     y_linen, stats_linen = jax.vmap(
@@ -333,10 +322,10 @@ def test_batch_norm_axis_name_equals_concatenated_batch_and_linen(getkey):
 def test_bfloat16_compute_float32_storage_matches_linen(getkey, kind, x_dtype):
     linen, ours = make(kind, dtype=jnp.bfloat16, param_dtype=jnp.float32)
     x = inputs(getkey(), SHAPES["4d"], x_dtype)
-    expected_init = linen_init(kind, linen, x, shapes_only=True)
+    expected_init = linen_shapes(linen, x, **init_options(kind))
     assert layout(jax.eval_shape(lm.transform(ours).init, getkey())) == layout(expected_init)
     assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(expected_init))
-    variables = randomize(expected_init, getkey())
+    variables = randomize(expected_init)
     is_training = True if kind == "batch" else None
     y_linen, stats_linen = linen_run(kind, linen, variables, x, is_training)
     y, new = ours_run(kind, ours, variables, x, is_training)
@@ -370,7 +359,7 @@ def test_bfloat16_statistics_are_float32(getkey):
 def test_batch_norm_under_jit_with_static_is_training(getkey):
     x = inputs(getkey(), SHAPES["2d"])
     init, apply = lm.transform(BatchNorm(FEATURES))
-    variables = randomize(jax.eval_shape(init, getkey()), getkey())
+    variables = randomize(jax.eval_shape(init, getkey()))
     jitted = jax.jit(apply, static_argnums=3)
     for is_training in (True, False):
         assert_close(
@@ -586,3 +575,541 @@ def test_batch_norm_axis_name_over_single_examples_in_lm_vmap(getkey):
         y, new = run(variables, None, x)
         assert_close(y, expected)
         assert_close(new["batch_stats"]["bn"], expected_new["batch_stats"])
+
+
+# --- masks -------------------------------------------------------------------------------------
+
+
+def random_mask(shape, seed=3):
+    mask = np.random.default_rng(seed).random(shape) < 0.7
+    mask[..., 0] = True  # every row keeps an entry
+    return jnp.asarray(mask)
+
+
+@pytest.mark.parametrize(
+    ("linen", "ours"),
+    [
+        (nn.LayerNorm(), lm.LayerNorm(6)),
+        (nn.RMSNorm(), lm.RMSNorm(6)),
+        (nn.GroupNorm(num_groups=2), lm.GroupNorm(2, 6)),
+        (nn.InstanceNorm(), lm.InstanceNorm(6)),
+    ],
+    ids=["layer", "rms", "group", "instance"],
+)
+def test_masked_statistics_match_linen(linen, ours):
+    x, mask = shifted_normal((2, 5, 6)), random_mask((2, 5, 6))
+    masked = compare_with_linen(linen, ours, x, {"mask": mask})
+    # the mask matters: the same call without it differs
+    plain, _ = lm.transform(ours).apply(linen_random_variables(linen, x), None, x)
+    assert not np.allclose(masked[0], plain, atol=1e-3)
+
+
+def test_batch_norm_mask_matches_linen_and_leaves_masked_examples_out():
+    x = shifted_normal((6, 4))
+    mask = jnp.asarray([True, True, False, True, False, True])[:, None]
+    linen, ours = nn.BatchNorm(momentum=0.8), lm.BatchNorm(4, momentum=0.8)
+    y, new, _ = compare_with_linen(
+        linen,
+        ours,
+        x,
+        {"use_running_average": False, "mask": mask},
+        {"is_training": True, "mask": mask},
+    )
+    kept = x[np.asarray(mask[:, 0])]
+    variables = linen_random_variables(linen, x, use_running_average=False)
+    _, expected = lm.transform(ours).apply(variables, None, kept, True)
+    assert_close_complex(new, {"batch_stats": expected["batch_stats"]})
+
+
+# --- reduction and feature axes ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("linen", "ours", "shape"),
+    [
+        (
+            nn.LayerNorm(reduction_axes=(1, 2), feature_axes=(-2, -1)),
+            lm.LayerNorm((4, 3), reduction_axes=(1, 2), feature_axes=(-2, -1)),
+            (2, 4, 3),
+        ),
+        (
+            nn.LayerNorm(reduction_axes=1, feature_axes=-1),
+            lm.LayerNorm(3, reduction_axes=1),
+            (2, 4, 3),
+        ),
+        (
+            nn.RMSNorm(reduction_axes=(-2, -1), feature_axes=1),
+            lm.RMSNorm(4, reduction_axes=(-2, -1), feature_axes=1),
+            (2, 4, 3),
+        ),
+        (
+            nn.InstanceNorm(feature_axes=(1, -1)),
+            lm.InstanceNorm((4, 3), feature_axes=(1, -1)),
+            (2, 4, 5, 3),
+        ),
+        (
+            nn.GroupNorm(num_groups=3, reduction_axes=(2, 3)),
+            lm.GroupNorm(3, 6, reduction_axes=(2, 3)),
+            (2, 4, 6),
+        ),
+    ],
+    ids=["layer_two", "layer_other", "rms", "instance_two", "group_axes"],
+)
+def test_reduction_and_feature_axes_match_linen(linen, ours, shape):
+    if isinstance(linen, nn.GroupNorm):
+        shape = (2, 3, *shape[1:])  # reduction axes (2, 3): the last two of a rank-4 input
+    compare_with_linen(linen, ours, shifted_normal(shape))
+
+
+def test_batch_norm_several_feature_axes_match_linen_in_training_and_evaluation():
+    x = shifted_normal((5, 3, 4))
+    linen, ours = (
+        nn.BatchNorm(axis=(1, 2), momentum=0.9),
+        lm.BatchNorm((3, 4), axis=(1, 2), momentum=0.9),
+    )
+    _, new, _ = compare_with_linen(
+        linen, ours, x, {"use_running_average": False}, {"is_training": True}
+    )
+    assert new["batch_stats"]["mean"].shape == (3, 4)
+    compare_with_linen(linen, ours, x, {"use_running_average": True}, {"is_training": False})
+
+
+# --- GroupNorm(group_size=...) -----------------------------------------------------------------
+
+
+def test_group_size_matches_linen():
+    ours = lm.GroupNorm(None, 6, group_size=2)
+    assert (ours.num_groups, ours.group_size) == (3, 2)
+    compare_with_linen(nn.GroupNorm(num_groups=None, group_size=2), ours, shifted_normal((2, 3, 6)))
+
+
+# --- the two-pass variance ---------------------------------------------------------------------
+
+
+def test_far_from_zero_inputs_need_the_two_pass_variance():
+    """Regression: inputs offset by 1e6 lose the variance in E[x^2] - E[x]^2 (|y| ~ 650)."""
+    x = shifted_normal((4, 8), offset=1e6)
+    y, _, _ = compare_with_linen(
+        nn.LayerNorm(use_fast_variance=False), lm.LayerNorm(8, use_fast_variance=False), x
+    )
+    variables = linen_random_variables(nn.LayerNorm(), x)
+    params = variables["params"]
+    exact = (x - x.mean(-1, keepdims=True)) / jnp.std(x - 1e6, -1, keepdims=True)
+    assert_close_complex(y, exact * params["scale"][None] + params["bias"][None], atol=1e-3)
+    assert float(jnp.abs(y).max()) < 10
+    fast, _ = lm.transform(lm.LayerNorm(8)).apply(variables, None, x)
+    assert float(jnp.abs(fast).max()) > 100  # what the default (Linen's too) gives
+
+
+@pytest.mark.parametrize(
+    ("linen", "ours", "kwargs"),
+    [
+        (nn.BatchNorm(use_fast_variance=False), lm.BatchNorm(6, use_fast_variance=False), "train"),
+        (
+            nn.GroupNorm(num_groups=3, use_fast_variance=False),
+            lm.GroupNorm(3, 6, use_fast_variance=False),
+            None,
+        ),
+        (
+            nn.InstanceNorm(use_fast_variance=False),
+            lm.InstanceNorm(6, use_fast_variance=False),
+            None,
+        ),
+    ],
+    ids=["batch", "group", "instance"],
+)
+def test_two_pass_variance_matches_linen(linen, ours, kwargs):
+    x, mask = shifted_normal((3, 4, 6), offset=1e4), random_mask((3, 4, 6))
+    if kwargs == "train":
+        mask = mask[..., :1]
+        compare_with_linen(
+            linen,
+            ours,
+            x,
+            {"use_running_average": False, "mask": mask},
+            {"is_training": True, "mask": mask},
+            atol=1e-5,
+        )
+    else:
+        compare_with_linen(linen, ours, x, {"mask": mask}, atol=1e-5)
+
+
+# --- complex inputs and the dtype contract -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("linen", "ours", "dtype"),
+    [
+        (nn.LayerNorm, lambda **kw: lm.LayerNorm(6, **kw), None),
+        (nn.LayerNorm, lambda **kw: lm.LayerNorm(6, **kw), jnp.complex64),
+        (nn.RMSNorm, lambda **kw: lm.RMSNorm(6, **kw), None),
+        (
+            lambda **kw: nn.GroupNorm(num_groups=3, **kw),
+            lambda **kw: lm.GroupNorm(3, 6, **kw),
+            jnp.complex64,
+        ),
+        (nn.InstanceNorm, lambda **kw: lm.InstanceNorm(6, **kw), None),
+    ],
+    ids=["layer", "layer_complex64", "rms", "group_complex64", "instance"],
+)
+def test_complex_inputs_match_linen(linen, ours, dtype):
+    x = shifted_normal((2, 4, 6), dtype=jnp.complex64)
+    y, _, _ = compare_with_linen(
+        linen(dtype=dtype), ours(dtype=dtype, param_dtype=jnp.float32), x, grads=False
+    )
+    assert y.dtype == jnp.complex64
+
+
+def test_batch_norm_keeps_a_complex_running_mean():
+    """Regression: with dtype=complex64 the running mean was float32 and lost its imaginary part."""
+    x = shifted_normal((6, 4), dtype=jnp.complex64)
+    linen = nn.BatchNorm(dtype=jnp.complex64, momentum=0.8)
+    ours = lm.BatchNorm(4, dtype=jnp.complex64, param_dtype=jnp.float32, momentum=0.8)
+    declared = layout(lm.transform(ours).init(jax.random.key(0)))["batch_stats"]
+    assert declared == {"mean": ((4,), jnp.complex64), "var": ((4,), jnp.float32)}
+    variables = linen_random_variables(linen, x, use_running_average=False)
+    variables["batch_stats"]["mean"] = variables["batch_stats"]["mean"].astype(jnp.complex64)
+    train = {"use_running_average": False}
+    y_linen, new_linen, _ = linen_results(linen, variables, x, grads=False, **train)
+    y, new, _ = our_results(ours, variables, x, grads=False, is_training=True)
+    assert_close_complex(y, y_linen)
+    assert_close_complex(new, new_linen)
+    assert float(jnp.abs(new["batch_stats"]["mean"].imag).max()) > 0.01
+    # evaluation with the updated averages: the imaginary part of the mean is used
+    trained = {**variables, **new_linen}
+    y_linen, _, _ = linen_results(linen, trained, x, grads=False, use_running_average=True)
+    y, _, _ = our_results(ours, trained, x, grads=False, is_training=False)
+    assert_close_complex(y, y_linen)
+    # dtype=None stores the running mean in param_dtype's kind
+    inferred = lm.BatchNorm(4, dtype=None, param_dtype=jnp.complex64)
+    assert layout(lm.transform(inferred).init(jax.random.key(0)))["batch_stats"]["mean"] == (
+        (4,),
+        jnp.complex64,
+    )
+
+
+@pytest.mark.parametrize(
+    ("linen", "ours", "kwargs"),
+    [
+        (nn.GroupNorm(num_groups=3), lm.GroupNorm(3, 6, dtype=None), {}),
+        (nn.BatchNorm(), lm.BatchNorm(6, dtype=None), "train"),
+    ],
+    ids=["group", "batch"],
+)
+def test_dtype_none_is_linens_default(linen, ours, kwargs):
+    """bfloat16 inputs, float32 parameters: statistics in float32, float32 outputs (Linen's)."""
+    x = shifted_normal((3, 2, 6), dtype=jnp.bfloat16)
+    if kwargs == "train":
+        y, _, _ = compare_with_linen(
+            linen, ours, x, {"use_running_average": False}, {"is_training": True}
+        )
+    else:
+        y, _, _ = compare_with_linen(linen, ours, x)
+    assert y.dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        lambda: lm.LayerNorm(6),
+        lambda: lm.RMSNorm(6),
+        lambda: lm.GroupNorm(3, 6),
+        lambda: lm.InstanceNorm(6),
+        lambda: lm.BatchNorm(6),
+    ],
+    ids=["layer", "rms", "group", "instance", "batch"],
+)
+def test_complex_input_under_a_real_dtype_is_an_error(layer):
+    ours = layer()
+    init, apply = lm.transform(ours)
+    args = (True,) if isinstance(ours, lm.BatchNorm) else ()
+    with pytest.raises(
+        TypeError, match=r"got a complex64 value but computes in float32.*dtype=None"
+    ):
+        apply(init(jax.random.key(0)), None, shifted_normal((2, 3, 6), dtype=jnp.complex64), *args)
+
+
+def test_batch_norm_complex_input_with_a_real_running_mean_is_an_error():
+    init, apply = lm.transform(lm.BatchNorm(6, dtype=None))
+    with pytest.raises(
+        TypeError, match=r"batch mean is complex.*stores its running mean as float32"
+    ):
+        apply(init(jax.random.key(0)), None, shifted_normal((2, 6), dtype=jnp.complex64), True)
+
+
+# --- errors of the new options -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (
+            lambda: lm.LayerNorm(4, reduction_axes="last"),
+            TypeError,
+            r"LayerNorm: reduction_axes must be an int or a tuple of ints",
+        ),
+        (
+            lambda: lm.LayerNorm(4, feature_axes=(-1, -1)),
+            ValueError,
+            r"LayerNorm: feature_axes=\(-1, -1\) names an axis twice",
+        ),
+        (
+            lambda: lm.LayerNorm((3, 4)),
+            ValueError,
+            r"LayerNorm: size=\(3, 4\) gives 2 sizes but feature_axes=-1 names 1 axes",
+        ),
+        (
+            lambda: lm.LayerNorm(4, feature_axes=(1, 2)),
+            ValueError,
+            r"LayerNorm: size=4 is one size but feature_axes=\(1, 2\) names 2 axes",
+        ),
+        (
+            lambda: lm.RMSNorm((3, 0), feature_axes=(1, 2)),
+            ValueError,
+            r"RMSNorm: size must be a positive int",
+        ),
+        (
+            lambda: lm.BatchNorm((3, 4), axis=1),
+            ValueError,
+            r"BatchNorm: size=\(3, 4\) gives 2 sizes but axis=1 names 1 axes",
+        ),
+        (
+            lambda: lm.InstanceNorm(4, feature_axes=0),
+            ValueError,
+            r"InstanceNorm: feature_axes=0 includes axis 0, the batch axis",
+        ),
+        (
+            lambda: lm.GroupNorm(2, 6, group_size=3),
+            ValueError,
+            r"GroupNorm: give exactly one of num_groups and group_size, got num_groups=2 and "
+            r"group_size=3",
+        ),
+        (
+            lambda: lm.GroupNorm(None, 6),
+            ValueError,
+            r"GroupNorm: give exactly one of num_groups and group_size",
+        ),
+        (
+            lambda: lm.GroupNorm(None, 6, group_size=4),
+            ValueError,
+            r"GroupNorm: group_size=4 does not divide size=6.*divisors of 6: 1, 2, 3, 6",
+        ),
+        (
+            lambda: lm.GroupNorm(None, 6, group_size=0),
+            ValueError,
+            r"GroupNorm: group_size must be a positive int",
+        ),
+        (
+            lambda: lm.GroupNorm(2, (2, 3)),
+            TypeError,
+            r"GroupNorm: size must be a positive int.*groups split one channel axis",
+        ),
+        (
+            lambda: lm.LayerNorm(4, use_fast_variance="no"),
+            TypeError,
+            r"LayerNorm: use_fast_variance must be True or False",
+        ),
+    ],
+)
+def test_construction_errors(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("layer", "x", "kwargs", "error", "match"),
+    [
+        (
+            lm.LayerNorm((3, 4), reduction_axes=(1, 2), feature_axes=(1, 2)),
+            jnp.ones((2, 4, 3)),
+            {},
+            ValueError,
+            r"LayerNorm\(size=\(3, 4\), feature_axes=\(1, 2\)\) got an input of shape \(2, 4, 3\): "
+            r"its feature axes \(1, 2\) must have sizes \(3, 4\), got \(4, 3\)",
+        ),
+        (
+            lm.LayerNorm(4, reduction_axes=3),
+            jnp.ones((2, 4)),
+            {},
+            ValueError,
+            r"LayerNorm\(size=4\) got an input of shape \(2, 4\), which has no axis 3 "
+            r"\(reduction_axes\): its axes are -2 to 1",
+        ),
+        (
+            lm.LayerNorm(4, reduction_axes=(1, -1)),
+            jnp.ones((2, 4)),
+            {},
+            ValueError,
+            r"reduction_axes=\(1, -1\) names the same axis twice for 2 axes",
+        ),
+        (
+            lm.LayerNorm(4),
+            jnp.ones((2, 4)),
+            {"mask": jnp.ones((2, 4))},
+            TypeError,
+            r"LayerNorm\(size=4\) got a mask of dtype float32: a mask is boolean",
+        ),
+        (
+            lm.LayerNorm(4),
+            jnp.ones((2, 4)),
+            {"mask": jnp.ones((3, 4), bool)},
+            ValueError,
+            r"got a mask of shape \(3, 4\) for an input of shape \(2, 4\): the mask must broadcast",
+        ),
+        (
+            lm.InstanceNorm(4, feature_axes=-2),
+            jnp.ones((4, 3)),
+            {},
+            ValueError,
+            r"feature_axes=-2 include axis 0, the batch axis",
+        ),
+        (
+            lm.GroupNorm(2, 4, reduction_axes=1),
+            jnp.ones((2, 3, 4)),
+            {},
+            ValueError,
+            r"GroupNorm\(num_groups=2, size=4\): reduction_axes=1 must include the last axis",
+        ),
+        (
+            lm.BatchNorm((3, 4), axis=(0, 1)),
+            jnp.ones((3, 4)),
+            {"is_training": True},
+            ValueError,
+            r"BatchNorm\(size=\(3, 4\), axis=\(0, 1\)\) at the root got an input of shape "
+            r"\(3, 4\) while training: its batch statistics "
+            r"reduce over no axis .*Train on batches of at least 2 examples, normalise with the "
+            r"running averages \(is_training=False, .*or average the statistics over a mapped "
+            r"axis \(axis_name=, ",
+        ),
+    ],
+    ids=[
+        "feature_sizes",
+        "axis_range",
+        "axis_twice",
+        "mask_dtype",
+        "mask_shape",
+        "instance_batch",
+        "group_axes",
+        "batch_no_axis",
+    ],
+)
+def test_call_errors(layer, x, kwargs, error, match):
+    init, apply = lm.transform(layer)
+    with pytest.raises(error, match=match):
+        apply(init(jax.random.key(0)), None, x, **kwargs)
+
+
+def test_new_settings_are_read_only():
+    layer = lm.LayerNorm(4, reduction_axes=-1)
+    assert (layer.reduction_axes, layer.feature_axes, layer.use_fast_variance) == (
+        (-1,),
+        (-1,),
+        True,
+    )
+    for name, value in [("reduction_axes", 0), ("feature_axes", 0), ("use_fast_variance", False)]:
+        with pytest.raises(AttributeError, match=rf"LayerNorm.{name} is read-only"):
+            setattr(layer, name, value)
+    with pytest.raises(AttributeError, match=r"WeightNorm.variable_filter is read-only"):
+        lm.WeightNorm(lm.Dense(2, 2)).variable_filter = ("bias",)
+
+
+# --- statistics averaged over a mapped axis ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "linen, ours",
+    [
+        (nn.LayerNorm(axis_name="i"), lm.LayerNorm(5, axis_name="i")),
+        (nn.RMSNorm(axis_name="i", use_fast_variance=False), lm.RMSNorm(5, axis_name="i")),
+        (
+            nn.GroupNorm(num_groups=None, group_size=1, axis_name="i", use_fast_variance=False),
+            lm.GroupNorm(None, 5, group_size=1, axis_name="i", use_fast_variance=False),
+        ),
+        (nn.InstanceNorm(axis_name="i"), lm.InstanceNorm(5, axis_name="i")),
+    ],
+    ids=["layer", "rms", "group", "instance"],
+)
+def test_axis_name_averages_the_statistics_over_the_mapped_axis_as_linen(linen, ours):
+    x = shifted_normal((4, 2, 3, 5))  # vmapped over the first axis: 4 replicas of (2, 3, 5)
+    variables = randomize(lm.transform(ours).init(jax.random.key(0)))  # Linen's layout
+    with jax.numpy_dtype_promotion("standard"):
+        expected = jax.vmap(lambda x: linen.apply(variables, x), axis_name="i")(x)
+    apply = lm.transform(ours).apply
+    got = jax.vmap(lambda x: apply(variables, None, x)[0], axis_name="i")(x)
+    assert_close_complex(got, expected, atol=1e-5)
+    alone = jax.vmap(
+        lambda x: lm.transform(
+            type(ours)(5)
+            if not isinstance(ours, lm.GroupNorm)
+            else lm.GroupNorm(None, 5, group_size=1)
+        ).apply(variables, None, x)[0]
+    )(x)
+    assert not np.allclose(got, alone)  # the mapped axis mattered
+
+
+def test_axis_name_outside_a_mapped_axis_is_a_clear_error():
+    layer = lm.LayerNorm(5, axis_name="batch")
+    init, apply = lm.transform(layer)
+    with pytest.raises(
+        NameError,
+        match=r"^LayerNorm\(size=5\) averages its statistics over "
+        r"the mapped axis 'batch'.*jax\.vmap\(step, axis_name='batch'\)",
+    ):
+        apply(init(jax.random.key(0)), None, jnp.ones((2, 5)))
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: lm.LayerNorm(5, axis_index_groups=[[0, 1]]), ValueError, "axis_name is None"),
+        (
+            lambda: lm.BatchNorm(5, axis_name="i", axis_index_groups=[0, 1]),
+            TypeError,
+            r"axis_index_groups must be a list of lists",
+        ),
+        (lambda: lm.GroupNorm(1, 5, axis_name=3), TypeError, r"axis_name must be None, the name"),
+    ],
+)
+def test_axis_options_are_checked_when_built(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+_GROUPS_SCRIPT = r"""
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp, numpy as np, flax.linen as nn, lamina as lm
+x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 3, 5)) + 1.0, jnp.float32)
+groups = [[0, 1], [2, 3]]
+for linen, ours, kw, our_kw in [
+    (nn.LayerNorm(axis_name="i", axis_index_groups=groups),
+     lm.LayerNorm(5, axis_name="i", axis_index_groups=groups), {}, {}),
+    (nn.BatchNorm(axis_name="i", axis_index_groups=groups, use_running_average=False),
+     lm.BatchNorm(5, axis_name="i", axis_index_groups=groups), {"mutable": True},
+     {"is_training": True}),
+]:
+    variables = lm.transform(ours).init(jax.random.key(1))
+    variables["params"]["scale"] = 1.0 + jnp.arange(5.0) / 10
+    expected = jax.pmap(lambda x: linen.apply(variables, x, **kw), axis_name="i")(x)
+    apply = lm.transform(ours).apply
+    got = jax.pmap(lambda x: apply(variables, None, x, **our_kw), axis_name="i")(x)
+    if isinstance(expected, tuple):  # BatchNorm: the running averages too
+        np.testing.assert_allclose(
+            got[1]["batch_stats"]["mean"], expected[1]["batch_stats"]["mean"], rtol=1e-5
+        )
+        expected = expected[0]
+    np.testing.assert_allclose(got[0], expected, rtol=1e-5, atol=1e-5)
+    # the two groups' statistics differ: replicas 0 and 2 do not normalise alike
+    assert not np.allclose(got[0][0] - got[0][2], 0.0)
+print("ok")
+"""
+
+
+def test_axis_index_groups_average_within_each_group_as_linen():
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _GROUPS_SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -1,4 +1,9 @@
-"""LSTMCell, GRUCell and RNN against Flax Linen, given the same weights (Linen's init).
+"""The recurrent cells, RNN and Bidirectional against Flax Linen, given the same weights.
+
+`LSTMCell`, `OptimizedLSTMCell`, `GRUCell`, `MGUCell`, `SimpleCell`, `ConvLSTMCell`, `RNN` and
+`Bidirectional`: outputs, final carries and gradients with respect to the variables, the carry
+and the input equal Linen's (Linen's init); the cells' dtypes; RNN's per-call options; where
+RNN runs the compiled step of a built-in cell; every error a user can cause.
 
 Shapes are shared across tests (B sequences of T steps, IN -> HID features) so that compiled
 programs are reused; Linen's variables are made once per cell kind and seed.
@@ -8,15 +13,17 @@ import functools
 
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import lamina as lm
 from lamina import RNN, GRUCell, LSTMCell
-from lamina.nn.cells import lstm_step
+from lamina.nn.lstm_cells import lstm_step
 from lamina.nn.recurrent import flip_sequences
-from tests.helpers import assert_close, layout, normal
+from tests.helpers import abstract_init, assert_close, layout, normal
+from tests.linen_helpers import linen_apply
 
 B, T, IN, HID = 3, 6, 3, 4
 CELLS = {"lstm": (LSTMCell, nn.LSTMCell), "gru": (GRUCell, nn.GRUCell)}
@@ -46,11 +53,6 @@ def linen_cell_variables(kind, seed=0):
 def linen_rnn_variables(kind, seed=0):
     """Linen's variables of `nn.RNN(cell)`: the cell's, under "cell"."""
     return {"params": {"cell": linen_cell_variables(kind, seed)["params"]}}
-
-
-def linen_apply(module, variables, *args, **kwargs):
-    """Linen's `apply`, compiled as one program (faster to compile than op by op)."""
-    return jax.jit(lambda v, *a, **k: module.apply(v, *a, **k))(variables, *args, **kwargs)
 
 
 def random_carry(kind, rng, batch=(B,)):
@@ -179,7 +181,7 @@ def test_cell_step_equals_linen(rng, kind, batch):
     x = normal(rng, *batch, IN)
     carry = random_carry(kind, rng, batch)
     variables = linen_cell_variables(kind)
-    expected = linen_apply(linen(kind), variables, carry, x)
+    expected = linen_apply(linen(kind))(variables, carry, x)
     got, _ = lm.transform(ours(kind)).apply(variables, None, carry, x)
     assert_close(got, expected)
 
@@ -190,7 +192,7 @@ def test_cell_custom_activations_equal_linen(rng, kind):
     x = normal(rng, B, IN)
     carry = random_carry(kind, rng)
     variables = linen_cell_variables(kind)
-    expected = linen_apply(linen(kind, **fns), variables, carry, x)
+    expected = linen_apply(linen(kind, **fns))(variables, carry, x)
     got, _ = lm.transform(ours(kind, **fns)).apply(variables, None, carry, x)
     assert_close(got, expected)
     default, _ = lm.transform(ours(kind)).apply(variables, None, carry, x)
@@ -228,7 +230,7 @@ def test_cell_bfloat16_compute_float32_storage_equals_linen(rng, kind):
     carry = random_carry(kind, rng)
     variables = linen_cell_variables(kind)
     with jax.numpy_dtype_promotion("standard"):
-        expected = linen_apply(linen(kind, **mixed), variables, carry, x)
+        expected = linen_apply(linen(kind, **mixed))(variables, carry, x)
     got, _ = lm.transform(ours(kind, **mixed)).apply(variables, None, carry, x)
     assert {leaf.dtype for leaf in jax.tree.leaves(got)} == {jnp.dtype(jnp.float32)}
     # the same operations in the same dtypes as Linen's promotions: equal to float32 rounding
@@ -255,7 +257,7 @@ def test_cell_bfloat16_compute_float32_storage_equals_linen(rng, kind):
 def test_rnn_equals_linen(rng, kind, options):
     x = sequences(rng, options.get("time_major", False))
     variables = linen_rnn_variables(kind)
-    expected = linen_apply(nn.RNN(linen(kind), **options), variables, x)
+    expected = linen_apply(nn.RNN(linen(kind), **options))(variables, x)
     got, _ = lm.transform(RNN(ours(kind), **options)).apply(variables, None, x)
     assert_close(got, expected)
 
@@ -279,7 +281,7 @@ def test_rnn_reverse_and_keep_order_by_hand(rng):
 def test_rnn_unbatched_sequence_equals_linen(rng):
     x = normal(rng, T, IN)
     variables = linen_rnn_variables("lstm")
-    expected = linen_apply(nn.RNN(linen("lstm"), return_carry=True), variables, x)
+    expected = linen_apply(nn.RNN(linen("lstm"), return_carry=True))(variables, x)
     got, _ = lm.transform(RNN(ours("lstm"), return_carry=True)).apply(variables, None, x)
     assert_close(got, expected)
 
@@ -288,8 +290,8 @@ def test_rnn_initial_carry_equals_linen(rng):
     x = sequences(rng)
     carry = random_carry("lstm", rng)
     variables = linen_rnn_variables("lstm")
-    expected = linen_apply(
-        nn.RNN(linen("lstm"), return_carry=True), variables, x, initial_carry=carry
+    expected = linen_apply(nn.RNN(linen("lstm"), return_carry=True))(
+        variables, x, initial_carry=carry
     )
     _, apply = lm.transform(RNN(ours("lstm"), return_carry=True))
     got, _ = apply(variables, None, x, initial_carry=carry)
@@ -316,7 +318,7 @@ def test_rnn_seq_lengths_equal_linen(rng, kind, options):
     x = sequences(rng, options.get("time_major", False))
     lengths = jnp.array([T, 2, 1])
     variables = linen_rnn_variables(kind)
-    expected = linen_apply(nn.RNN(linen(kind), **options), variables, x, seq_lengths=lengths)
+    expected = linen_apply(nn.RNN(linen(kind), **options))(variables, x, seq_lengths=lengths)
     got, _ = lm.transform(RNN(ours(kind), **options)).apply(variables, None, x, seq_lengths=lengths)
     assert_close(got, expected)
     if options.get("keep_order"):  # without return_carry: the same outputs
@@ -339,8 +341,7 @@ def test_rnn_seq_lengths_several_batch_axes_and_zero_length(rng):
     assert c.shape == h.shape == (2, B, HID) and y.shape == (2, B, T, HID)
     # Linen, on the batch flattened to one axis (its carry selection needs one batch axis)
     flat = jax.tree.map(lambda a: a.reshape(2 * B, *a.shape[2:]), (x, initial, lengths))
-    (ce, he), ye = linen_apply(
-        nn.RNN(linen("lstm"), return_carry=True),
+    (ce, he), ye = linen_apply(nn.RNN(linen("lstm"), return_carry=True))(
         variables,
         flat[0],
         initial_carry=flat[1],
@@ -395,7 +396,7 @@ def test_bidirectional_equals_linen(rng):
         jax.eval_shape(lambda: module.init(jax.random.key(0), x))
     )
     got, _ = apply(variables, None, x, lengths)
-    assert_close(got, linen_apply(module, variables, x, seq_lengths=lengths))
+    assert_close(got, linen_apply(module)(variables, x, seq_lengths=lengths))
 
 
 def test_rnn_gradients_equal_linen(rng):
@@ -491,7 +492,7 @@ def test_rnn_bfloat16_compute_float32_storage_equals_linen(rng):
     x = sequences(rng)
     variables = linen_rnn_variables("lstm")
     with jax.numpy_dtype_promotion("standard"):
-        expected = linen_apply(nn.RNN(linen("lstm", **mixed), return_carry=True), variables, x)
+        expected = linen_apply(nn.RNN(linen("lstm", **mixed), return_carry=True))(variables, x)
     got, _ = lm.transform(RNN(ours("lstm", **mixed), return_carry=True)).apply(variables, None, x)
     assert {leaf.dtype for leaf in jax.tree.leaves(got)} == {jnp.dtype(jnp.float32)}
     assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -899,3 +900,461 @@ def test_bad_settings():
         GRUCell(IN, HID, recurrent_kernel_init=None)
     with pytest.raises(TypeError, match=r"LSTMCell.initialize_carry takes the batch shape"):
         LSTMCell(IN, HID).initialize_carry((2, IN, -1))
+
+
+# --- MGUCell and SimpleCell -------------------------------------------------------------------
+
+
+CASES = {
+    "simple": (lambda: lm.SimpleCell(IN, HID), lambda: nn.SimpleCell(HID)),
+    "simple_residual": (
+        lambda: lm.SimpleCell(IN, HID, residual=True),
+        lambda: nn.SimpleCell(HID, residual=True),
+    ),
+    "mgu": (lambda: lm.MGUCell(IN, HID), lambda: nn.MGUCell(HID)),
+    "mgu_no_reset": (
+        lambda: lm.MGUCell(IN, HID, reset_gate=False),
+        lambda: nn.MGUCell(HID, reset_gate=False),
+    ),
+}
+
+
+def inputs():
+    keys = jax.random.split(jax.random.key(1), 3)
+    h = jax.random.normal(keys[0], (B, HID))
+    return h, jax.random.normal(keys[1], (B, IN)), jax.random.normal(keys[2], (B, T, IN))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cell_rnn_and_gradients_equal_linen(case):
+    ours, theirs = CASES[case][0](), CASES[case][1]()
+    h, x, xs = inputs()
+    variables = jax.jit(theirs.init)(jax.random.key(0), h, x)
+    init, apply = lm.transform(ours)
+    assert layout(jax.eval_shape(init, jax.random.key(0))) == layout(variables)
+
+    (new_h, y), _ = apply(variables, None, h, x)
+    linen_h, linen_y = theirs.apply(variables, h, x)
+    assert_close(new_h, linen_h)
+    assert_close(y, linen_y)
+
+    def loss_ours(v, h, x):
+        return jnp.sum(jnp.sin(apply(v, None, h, x)[0][1]))
+
+    def loss_linen(v, h, x):
+        return jnp.sum(jnp.sin(theirs.apply(v, h, x)[1]))
+
+    grads = jax.grad(loss_ours, argnums=(0, 1, 2))(variables, h, x)
+    expected = jax.grad(loss_linen, argnums=(0, 1, 2))(dict(variables), h, x)
+    jax.tree.map(assert_close, grads, expected)
+
+    rnn_variables = {"params": {"cell": variables["params"]}}
+    ys, _ = jax.jit(lm.transform(lm.RNN(ours)).apply)(rnn_variables, None, xs)
+    assert_close(ys, nn.RNN(theirs).apply(rnn_variables, xs))
+
+
+def test_mgu_and_simple_cell_default_initializers_are_linens():
+    mgu = jax.jit(lm.transform(lm.MGUCell(IN, HID)).init)(jax.random.key(0))["params"]
+    np.testing.assert_array_equal(mgu["if"]["bias"], np.ones(HID))  # the forget gate half open
+    np.testing.assert_array_equal(mgu["in"]["bias"], np.zeros(HID))
+    np.testing.assert_array_equal(mgu["hn"]["bias"], np.zeros(HID))
+    cell = lm.MGUCell(IN, HID, forget_bias_init=lm.initializers.constant(2.0))
+    params = lm.transform(cell).init(jax.random.key(0))["params"]
+    np.testing.assert_array_equal(params["if"]["bias"], np.full(HID, 2.0))
+    simple = lm.SimpleCell(IN, HID)
+    assert simple.h.kernel.init == lm.initializers.orthogonal()
+    assert simple.i.kernel.init == lm.initializers.lecun_normal()
+    assert simple.h.bias is None and simple.activation_fn is lm.tanh
+
+
+def test_bad_arguments_name_the_cell_and_option():
+    with pytest.raises(TypeError, match=r"MGUCell: reset_gate"):
+        lm.MGUCell(IN, HID, reset_gate="yes")
+    with pytest.raises(TypeError, match=r"SimpleCell: residual"):
+        lm.SimpleCell(IN, HID, residual=1)
+    with pytest.raises(TypeError, match=r"MGUCell: forget_bias_init must be an initializer"):
+        lm.MGUCell(IN, HID, forget_bias_init=3)
+    cell = lm.SimpleCell(IN, HID)
+    apply = lm.transform(cell).apply
+    variables = lm.transform(cell).init(jax.random.key(0))
+    with pytest.raises(ValueError, match=r"SimpleCell\(in_size=3, hidden_size=4\) got a carry"):
+        apply(variables, None, jnp.zeros((2, HID)), jnp.zeros((3, IN)))
+
+
+COMPLEX_CASES = {
+    "simple": (lm.SimpleCell, nn.SimpleCell),
+    "gru": (lm.GRUCell, nn.GRUCell),
+    "mgu": (lm.MGUCell, nn.MGUCell),
+    "lstm": (lm.LSTMCell, nn.LSTMCell),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPLEX_CASES))
+def test_complex_inputs_with_the_default_carry_equal_linen(case):
+    """dtype=None follows Linen's promotion: a complex input makes the float32 carry complex."""
+    ours_cls, theirs_cls = COMPLEX_CASES[case]
+    ours, theirs = ours_cls(IN, HID, dtype=None), theirs_cls(HID, dtype=None)
+    keys = jax.random.split(jax.random.key(2), 2)
+    xs = jax.lax.complex(
+        jax.random.normal(keys[0], (B, T, IN)), jax.random.normal(keys[1], (B, T, IN))
+    )
+    carry = ours.initialize_carry((B,))
+    assert {a.dtype for a in jax.tree.leaves(carry)} == {jnp.dtype(jnp.float32)}
+    with jax.numpy_dtype_promotion("standard"):  # Linen promotes complex64 with float32
+        variables = jax.jit(theirs.init)(jax.random.key(0), carry, xs[:, 0])
+        linen_step = jax.jit(theirs.apply)
+        expected_carry, expected = carry, []
+        for t in range(T):
+            expected_carry, y = linen_step(variables, expected_carry, xs[:, t])
+            expected.append(y)
+    expected = jnp.stack(expected, axis=1)
+    assert expected.dtype == jnp.complex64
+
+    def parts(tree):
+        return jax.tree.map(lambda a: (jnp.real(a), jnp.imag(a)), tree)
+
+    _, step = lm.transform(ours)
+    (new_carry, y), _ = step(variables, None, carry, xs[:, 0])
+    assert {a.dtype for a in jax.tree.leaves((new_carry, y))} == {jnp.dtype(jnp.complex64)}
+    assert_close(parts(y), parts(expected[:, 0]), rtol=1e-5, atol=1e-5)
+    # Over a sequence (Linen's RNN fails here: its scan's carry changes dtype), the carry is
+    # complex from the first step.
+    _, apply = lm.transform(lm.RNN(ours_cls(IN, HID, dtype=None), return_carry=True))
+    for run in (apply, jax.jit(apply)):
+        (final, ys), _ = run({"params": {"cell": variables["params"]}}, None, xs)
+        assert ys.dtype == jnp.complex64
+        assert_close(parts(ys), parts(expected), rtol=1e-5, atol=1e-5)
+        assert_close(parts(final), parts(expected_carry), rtol=1e-5, atol=1e-5)
+
+
+# Batch and length of the tests below: their lengths and expected messages spell out a batch of
+# two sequences.
+B2, T2 = 2, 5
+
+
+def lamina_call(module):
+    return jax.jit(lm.transform(module).apply)
+
+
+def loss(outputs):
+    return sum(jnp.sum(jnp.sin(x) * x) for x in jax.tree.leaves(outputs))
+
+
+def assert_grads_equal(ours, theirs, variables, *inputs):
+    """Gradients of the same loss through both, w.r.t. the variables and every input."""
+    argnums = tuple(range(1 + len(inputs)))
+    got = jax.grad(lambda v, *a: loss(ours(v, None, *a)[0]), argnums)(variables, *inputs)
+    expected = jax.grad(lambda v, *a: loss(theirs(v, *a)), argnums)(variables, *inputs)
+    assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def zero_variables(module):
+    """Zeros in the layout of `module`'s variables: for calls that fail before computing."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_init(module))
+
+
+def lstm_inputs(rng, batch=(B2,)):
+    carry = (normal(rng, *batch, HID), normal(rng, *batch, HID))
+    return carry, normal(rng, *batch, IN)
+
+
+# ------------------------------------------------------------------------- OptimizedLSTMCell
+
+
+def test_optimized_lstm_cell_equals_linens_and_lstm_cell(rng):
+    carry, x = lstm_inputs(rng)
+    theirs = nn.OptimizedLSTMCell(HID)
+    variables = jax.jit(theirs.init)(jax.random.key(0), carry, x)
+    # Linen's two LSTM cells have the same variables, and the same values from the same key:
+    # the "conversion" between them is the identity, in Linen and here.
+    linen_lstm = jax.jit(nn.LSTMCell(HID).init)(jax.random.key(0), carry, x)
+    assert_close(linen_lstm, variables, rtol=0, atol=0)
+    ours = lm.OptimizedLSTMCell(IN, HID)
+    assert layout(abstract_init(ours)) == layout(variables)
+    assert layout(abstract_init(lm.LSTMCell(IN, HID))) == layout(variables)
+
+    expected = linen_apply(theirs)(variables, carry, x)
+    got, _ = lamina_call(ours)(variables, None, carry, x)
+    assert_close(got, expected)
+    unfused, _ = lamina_call(lm.LSTMCell(IN, HID))(variables, None, carry, x)
+    assert_close(got, unfused)
+    assert_grads_equal(lamina_call(ours), linen_apply(theirs), variables, carry, x)
+
+    # Inside RNN, with sequence lengths and the final carry, against Linen's RNN.
+    xs, lengths = normal(rng, B2, T2, IN), jnp.array([T2, 3])
+    rnn_variables = {"params": {"cell": variables["params"]}}
+    got = lamina_call(lm.RNN(ours, return_carry=True))(
+        rnn_variables, None, xs, seq_lengths=lengths
+    )[0]
+    expected = linen_apply(nn.RNN(theirs, return_carry=True))(
+        rnn_variables, xs, seq_lengths=lengths
+    )
+    assert_close(got, expected)
+
+
+def test_optimized_lstm_cell_fuses_the_gate_products():
+    """Two matrix products per step instead of eight: the point of the cell."""
+    carry, x = (jnp.zeros((B2, HID)),) * 2, jnp.zeros((B2, IN))
+
+    def count(jaxpr):
+        total = 0
+        for eqn in jaxpr.eqns:
+            total += eqn.primitive.name == "dot_general"
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                total += count(sub)
+        return total
+
+    def products(cell):
+        init, apply = lm.transform(cell)
+        return count(jax.make_jaxpr(apply)(init(jax.random.key(0)), None, carry, x).jaxpr)
+
+    assert products(lm.OptimizedLSTMCell(IN, HID)) == 2
+    assert products(lm.LSTMCell(IN, HID)) == 8
+
+
+# ------------------------------------------------------------------------------ cell dtypes
+
+
+# The cells share the mechanism (`step_dtype`): one with a carry pair, one with one array.
+@pytest.mark.parametrize("kind", ["OptimizedLSTMCell", "GRUCell"])
+def test_cells_infer_the_dtype_as_linen_and_compute_complex(rng, kind):
+    """``dtype=None``: Linen's promotion (here complex64, from complex variables and input)."""
+    lstm = "LSTM" in kind
+    theirs = getattr(nn, kind)(HID, param_dtype=jnp.complex64)
+    ours = getattr(lm, kind)(IN, HID, dtype=None, param_dtype=jnp.complex64)
+
+    def complex_normal(*shape):
+        return jnp.asarray(
+            rng.standard_normal(shape) + 1j * rng.standard_normal(shape), "complex64"
+        )
+
+    h = complex_normal(B2, HID)
+    carry = (complex_normal(B2, HID), h) if lstm else h
+    x = complex_normal(B2, IN)
+    variables = jax.jit(theirs.init)(jax.random.key(0), carry, x)
+    assert layout(abstract_init(ours)) == layout(variables)
+    got, _ = lamina_call(ours)(variables, None, carry, x)
+    expected = linen_apply(theirs)(variables, carry, x)
+    assert {a.dtype for a in jax.tree.leaves(got)} == {jnp.dtype(jnp.complex64)}
+
+    def parts(tree):
+        return jax.tree.map(lambda a: (jnp.real(a), jnp.imag(a)), tree)
+
+    assert_close(parts(got), parts(expected), rtol=1e-4, atol=1e-5)
+
+    # A complex input on a real carry makes the carry complex, as Linen's standard promotion
+    # (never a cast that drops the imaginary part);
+    # test_complex_inputs_with_the_default_carry_equal_linen compares each cell with Linen.
+    real = lm.transform(getattr(lm, kind)(IN, HID, dtype=None))
+    real_variables = jax.tree.map(jnp.real, variables)
+    real_carry = jax.tree.map(jnp.real, carry)
+    got, _ = real.apply(real_variables, None, real_carry, x)
+    with jax.numpy_dtype_promotion("standard"):  # Linen promotes complex with float32
+        expected = linen_apply(getattr(nn, kind)(HID))(real_variables, real_carry, x)
+    assert {a.dtype for a in jax.tree.leaves(got)} == {jnp.dtype(jnp.complex64)}
+    assert_close(parts(got), parts(expected), rtol=1e-4, atol=1e-5)
+    # ... and under a real dtype, the complex input itself is the error.
+    explicit = lm.transform(getattr(lm, kind)(IN, HID))
+    with pytest.raises(TypeError, match=r"got a complex64 value but computes in float32"):
+        explicit.apply(real_variables, None, real_carry, x)
+
+
+def test_bfloat16_gates_keep_a_float32_carry_as_linen(rng):
+    carry, x = lstm_inputs(rng)
+    theirs = nn.OptimizedLSTMCell(HID, dtype=jnp.bfloat16)
+    with jax.numpy_dtype_promotion("standard"):  # Linen mixes bfloat16 gates, float32 carry
+        variables = jax.jit(theirs.init)(jax.random.key(0), carry, x)
+        expected = linen_apply(theirs)(variables, carry, x)
+    # float32 parameters (Linen's default param_dtype) computed in bfloat16
+    cell = lm.OptimizedLSTMCell(IN, HID, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    got, _ = lamina_call(cell)(variables, None, carry, x)
+    assert {a.dtype for a in jax.tree.leaves(got)} == {jnp.dtype(jnp.float32)}
+    assert_close(got, expected, rtol=1e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------------------- ConvLSTMCell
+
+SPATIAL = (4, 5)
+
+
+@pytest.mark.parametrize(
+    ("options", "spatial"),
+    [
+        ({"kernel_size": (3, 3)}, SPATIAL),
+        ({"kernel_size": (2,), "padding": ((1, 0),), "use_bias": False}, (6,)),
+    ],
+    ids=["2d_same", "1d_pairs_nobias"],
+)
+def test_conv_lstm_cell_and_rnn_equal_linen(rng, options, spatial):
+    theirs = nn.ConvLSTMCell(HID, **options)
+    ours = lm.ConvLSTMCell(IN, HID, **options)
+    carry = (normal(rng, B2, *spatial, HID), normal(rng, B2, *spatial, HID))
+    x = normal(rng, B2, *spatial, IN)
+    variables = jax.jit(theirs.init)(jax.random.key(0), carry, x)
+    assert layout(abstract_init(ours)) == layout(variables)
+    assert ours.num_feature_axes == theirs.num_feature_axes == len(spatial) + 1
+
+    got, _ = lamina_call(ours)(variables, None, carry, x)
+    assert_close(got, linen_apply(theirs)(variables, carry, x))
+    assert_grads_equal(lamina_call(ours), linen_apply(theirs), variables, carry, x)
+    zeros = ours.initialize_carry((B2, *spatial))
+    expected_zeros = theirs.initialize_carry(jax.random.key(0), x.shape)
+    assert_close(zeros, expected_zeros, rtol=0, atol=0)
+
+    # RNN over (batch, time, *spatial, channels), with the carry after each last valid step.
+    xs, lengths = normal(rng, B2, 3, *spatial, IN), jnp.array([3, 2])
+    rnn_variables = {"params": {"cell": variables["params"]}}
+    ours_rnn = lamina_call(lm.RNN(ours, return_carry=True))
+    theirs_rnn = linen_apply(nn.RNN(theirs, return_carry=True))
+    got = ours_rnn(rnn_variables, None, xs, seq_lengths=lengths)[0]
+    assert_close(got, theirs_rnn(rnn_variables, xs, seq_lengths=lengths))
+
+
+def test_conv_lstm_cell_errors():
+    where = r"ConvLSTMCell\(in_size=3, hidden_size=4, kernel_size=\(3, 3\)\)"
+    with pytest.raises(ValueError, match=where + r": strides=2 would shrink the spatial axes"):
+        lm.ConvLSTMCell(IN, HID, (3, 3), strides=2)
+    with pytest.raises(ValueError, match=where + r": padding='VALID' changes the spatial shape"):
+        lm.ConvLSTMCell(IN, HID, (3, 3), padding="VALID")
+    with pytest.raises(ValueError, match=where + r": padding=\(\(1, 0\), 1\) changes"):
+        lm.ConvLSTMCell(IN, HID, (3, 3), padding=((1, 0), 1))
+    assert lm.ConvLSTMCell(IN, HID, (1, 1), padding="VALID").padding == "VALID"
+    with pytest.raises(ValueError, match=r"^ConvLSTMCell: unknown padding 'FULL'"):
+        lm.ConvLSTMCell(IN, HID, (3, 3), padding="FULL")
+    with pytest.raises(ValueError, match=r"^ConvLSTMCell: hidden_size must be a positive int"):
+        lm.ConvLSTMCell(IN, 0, (3, 3))
+    with pytest.raises(TypeError, match=r"positional argument"):
+        lm.ConvLSTMCell(IN, HID, (3, 3), 1)  # strides is keyword-only
+    cell = lm.ConvLSTMCell(IN, HID, (3, 3))
+    with pytest.raises(ValueError, match=where + r"\.initialize_carry takes the input's shape"):
+        cell.initialize_carry((B2,))
+    apply, variables = lm.transform(cell).apply, zero_variables(cell)
+    x = jnp.zeros((B2, *SPATIAL, IN))
+    with pytest.raises(
+        ValueError, match=where + r" got a carry of shapes .*initialize_carry\(\(2, 4, 5\)\)"
+    ):
+        apply(variables, None, cell.initialize_carry((B2, 4, 4)), x)
+    with pytest.raises(ValueError, match=where + r" got an input of shape \(4, 3\): it needs"):
+        apply(variables, None, cell.initialize_carry((4, 4)), jnp.zeros((4, 3)))
+    with pytest.raises(ValueError, match=where + r" got an input of shape .* in_size=3"):
+        apply(variables, None, cell.initialize_carry((B2, *SPATIAL)), jnp.zeros((B2, 4, 5, 2)))
+
+
+# ---------------------------------------------------------------------------- Bidirectional
+
+
+def bidirectional_pair(time_major=False, merge_fn=None):
+    extra = {} if merge_fn is None else {"merge_fn": merge_fn}
+    theirs = nn.Bidirectional(
+        nn.RNN(nn.LSTMCell(HID)),
+        nn.RNN(nn.GRUCell(HID)),
+        time_major=time_major,
+        return_carry=True,
+        **extra,
+    )
+    ours = lm.Bidirectional(
+        lm.RNN(lm.LSTMCell(IN, HID)),
+        lm.RNN(lm.GRUCell(IN, HID)),
+        time_major=time_major,
+        return_carry=True,
+        **extra,
+    )
+    return ours, theirs
+
+
+@pytest.mark.parametrize("time_major", [False, True], ids=["batch_major", "time_major"])
+def test_bidirectional_equals_linen_with_sequence_lengths(rng, time_major):
+    ours, theirs = bidirectional_pair(time_major)
+    xs = normal(rng, *((T2, B2, IN) if time_major else (B2, T2, IN)))
+    lengths = jnp.array([T2, 2])
+    variables = jax.jit(theirs.init)(jax.random.key(0), xs, seq_lengths=lengths)
+    assert layout(abstract_init(ours)) == layout(variables)
+    ours_call, theirs_call = lamina_call(ours), linen_apply(theirs)
+    (carries, ys), _ = ours_call(variables, None, xs, seq_lengths=lengths)
+    expected = theirs_call(variables, xs, seq_lengths=lengths)
+    assert_close((carries, ys), expected)
+    assert ys.shape[-1] == 2 * HID
+
+    # The backward direction reversed only the valid part: its outputs over the valid steps
+    # are those of the backward RNN run on the valid part alone.
+    backward = lamina_call(lm.RNN(lm.GRUCell(IN, HID), reverse=True, keep_order=True))
+    short = xs[:2, 1] if time_major else xs[1, :2]
+    alone, _ = backward({"params": variables["params"]["backward_rnn"]}, None, short)
+    assert_close(ys[:2, 1, HID:] if time_major else ys[1, :2, HID:], alone)
+
+    def ours_loss(v, xs):
+        return ours_call(v, None, xs, seq_lengths=lengths)
+
+    def theirs_loss(v, xs):
+        return theirs_call(v, xs, seq_lengths=lengths)
+
+    if not time_major:  # the same arithmetic either way; one gradient check suffices
+        assert_grads_equal(ours_loss_apply(ours_loss), theirs_loss, variables, xs)
+
+
+def ours_loss_apply(fn):
+    """`fn(v, *a)` as an apply function ``(v, rngs, *a) -> (outputs, v)``."""
+    return lambda v, rngs, *a: fn(v, *a)
+
+
+def test_bidirectional_merge_and_initial_carry(rng):
+    ours, theirs = bidirectional_pair(merge_fn=jnp.add)
+    xs = normal(rng, B2, T2, IN)
+    initial = ((normal(rng, B2, HID), normal(rng, B2, HID)), normal(rng, B2, HID))
+    variables = jax.jit(theirs.init)(jax.random.key(0), xs)
+    got, _ = lamina_call(ours)(variables, None, xs, initial)
+    expected = linen_apply(theirs)(variables, xs, initial_carry=initial)
+    assert_close(got, expected)
+    assert got[1].shape == (B2, T2, HID)
+    # return_carry overridden per call, as in Linen: the outputs alone
+    apply = lm.transform(ours).apply
+    ys, _ = jax.eval_shape(lambda v: apply(v, None, xs, initial, return_carry=False), variables)
+    assert ys.shape == expected[1].shape
+
+
+def test_bidirectional_errors():
+    rnn = lm.RNN(lm.GRUCell(IN, HID))
+    with pytest.raises(
+        TypeError,
+        match=r"Bidirectional's backward_rnn must be a recurrent "
+        r"layer over sequences, got the cell GRUCell.*lm.RNN\(GRUCell",
+    ):
+        lm.Bidirectional(rnn, lm.GRUCell(IN, HID))
+    with pytest.raises(TypeError, match=r"Bidirectional's forward_rnn must be a recurrent layer"):
+        lm.Bidirectional(lambda x: x, rnn)
+    with pytest.raises(TypeError, match=r"^Bidirectional: merge_fn must be a function"):
+        lm.Bidirectional(rnn, rnn, merge_fn="concat")
+    with pytest.raises(TypeError, match=r"^Bidirectional: time_major must be True or False"):
+        lm.Bidirectional(rnn, rnn, time_major=1)
+    with pytest.raises(TypeError, match=r"positional argument"):
+        lm.Bidirectional(rnn, rnn, jnp.add)  # merge_fn is keyword-only
+    layer = lm.Bidirectional(rnn, lm.RNN(lm.GRUCell(IN, HID)))
+    apply, variables = lm.transform(layer).apply, zero_variables(layer)
+    xs = jnp.zeros((B2, T2, IN))
+    with pytest.raises(TypeError, match=r"initial_carry must be a tuple \(forward_carry, back"):
+        apply(variables, None, xs, [jnp.zeros((B2, HID))] * 2)
+    with pytest.raises(TypeError, match=r"Bidirectional.__call__: time_major must be a Python "):
+        apply(variables, None, xs, time_major=jnp.array(True))
+
+
+def test_rnn_per_call_options_override_the_settings(rng):
+    """As Linen's: ``rnn(x, reverse=True, ...)`` overrides the layer's settings for one call."""
+    xs = normal(rng, B2, T2, IN)
+    init, apply = lm.transform(lm.RNN(lm.SimpleCell(IN, HID)))
+    variables = init(jax.random.key(0))
+    built = lm.transform(lm.RNN(lm.SimpleCell(IN, HID), reverse=True, return_carry=True)).apply
+    expected, _ = built(variables, None, jnp.swapaxes(xs, 0, 1), time_major=True)
+    got, _ = apply(
+        variables, None, jnp.swapaxes(xs, 0, 1), reverse=True, return_carry=True, time_major=True
+    )
+    assert_close(got, expected)
+    theirs = nn.RNN(nn.SimpleCell(HID))
+    linen = theirs.apply(
+        variables, jnp.swapaxes(xs, 0, 1), reverse=True, keep_order=True, time_major=True
+    )
+    ours, _ = apply(
+        variables, None, jnp.swapaxes(xs, 0, 1), reverse=True, keep_order=True, time_major=True
+    )
+    assert_close(ours, linen)
+    with pytest.raises(TypeError, match=r"^RNN.__call__: reverse must be a Python bool"):
+        apply(variables, None, xs, reverse=1)

@@ -1,4 +1,4 @@
-"""lm.sow, lm.perturb, lm.capture_intermediates and lm.probe (issue 11)."""
+"""lm.sow, lm.perturb, lm.capture_intermediates and lm.probe."""
 
 import functools
 

@@ -1,4 +1,6 @@
-"""Every code sample of seed 004 runs with `import lamina as mx`, and does what the text says.
+"""Every code sample of the Metoryx article runs with `import lamina as mx`, as the text says.
+
+The article is the seed `../shared/seeds/004_a6172f56ed72f6a5.txt`.
 
 Some samples are fragments of a longer story (they use `inputs` without defining it, or
 say ``loss = ...``); the context each one needs is set up here, around the verbatim code.

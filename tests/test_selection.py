@@ -256,7 +256,7 @@ def test_masks_with_optax_multi_transform():
 
 
 def test_a_string_close_to_a_collection_suggests_it():
-    """The issue's case: "param" for "params" selected nothing, and nothing trained."""
+    """ "param" for "params" selects nothing: the error suggests the collection's name."""
     net = Net()
     variables = variables_of(net)
     message = (

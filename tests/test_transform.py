@@ -434,7 +434,7 @@ def test_copies_share_jax_arrays_and_functions(getkey):
     np.testing.assert_array_equal(init(getkey())["params"]["layer"]["kernel"], pretrained)
 
 
-# --- issue 9: purity, initializer identity, lossy writes, bad inputs ---------------------
+# --- purity, initializer identity, lossy writes, bad inputs ------------------------------
 
 
 class History(lm.Module):

@@ -1,6 +1,6 @@
-"""Just enough of `tensorflow` and `tensorflow_datasets` for the seed's MNIST program.
+"""Just enough of `tensorflow` and `tensorflow_datasets` for the Metoryx article's MNIST program.
 
-The seed loads MNIST with `tfds.load("mnist")` and a `tf.data` pipeline. lamina depends on
+The article loads MNIST with `tfds.load("mnist")` and a `tf.data` pipeline. lamina depends on
 neither, and nothing may be downloaded, so this shim serves the same pipeline from an
 MNIST-format folder with NumPy: `load` returns uint8 images of shape (28, 28, 1) and int64
 labels, as TFDS does; `map` applies the element function to whole batches (correct for the

@@ -1,4 +1,11 @@
-"""How a value enters a variable: a cast may widen it, never narrow its dtype or change its kind.
+"""Argument checks shared by the core and the layers, and the rule of casts into a variable.
+
+Each check takes `where`, the caller as messages name it (``"lm.load"``, ``"LSTMCell"``,
+``"Conv(in_size=3, out_size=8, kernel_size=(3, 3))"``), then the argument's name and value, and
+raises with what was wrong and what to do; the checks of settings return the value in its
+canonical type. Messages write paths with `format_path` and long lists with `format_list`.
+
+How a value enters a variable: a cast may widen it, never narrow its dtype or change its kind.
 
 Every way a value reaches a variable's storage checks its dtype here (`check_cast`): a write
 inside a call (`Frame.write`), a read of a value that `apply` was given in another dtype
@@ -39,14 +46,197 @@ must fit; traced ones (``jax.jit(init)``, a Stack's copies) are cast, rounding a
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import math
+import numbers
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_cast", "check_number", "is_number", "narrowing_damage"]
+from .errors import SettingTypeError
+from .types import Dtype, Key
+
+# --- how messages write paths and lists ------------------------------------------------------
+
+
+def format_path(path: Sequence[Key], collection: str | None = None) -> str:
+    """Writes a path the way messages show it: ``params/layers/0/kernel``.
+
+    Args:
+        path: Keys from the model root.
+        collection: Written in front of the path when given.
+
+    Returns:
+        The keys joined by ``/``; ``<root>`` for the empty path.
+    """
+    parts = ([collection] if collection is not None else []) + [str(k) for k in path]
+    return "/".join(parts) if parts else "<root>"
+
+
+def format_list(items: Iterable[str], limit: int = 8) -> str:
+    """Joins at most `limit` items with commas and says how many were left out."""
+    items = list(items)
+    shown = ", ".join(items[:limit])
+    if len(items) > limit:
+        shown += f", ... and {len(items) - limit} more"
+    return shown
+
+
+# --- flags ------------------------------------------------------------------------------------
+
+
+def flag(where: str, name: str, value: Any, *, static: bool = False) -> bool:
+    """Returns `value` as a bool; raises unless it is one.
+
+    For on/off settings (``use_bias``, ``strict``...), Python's or NumPy's bool:
+    ``use_bias="False"`` or ``use_bias=0`` would otherwise be read by truthiness
+    (`SettingTypeError`). With `static`, for the flags of a call (``is_training``,
+    ``decode``...): they choose what is computed, so they must be known while tracing (under
+    `jax.jit`, static), and only a Python bool is one (`TypeError`).
+    """
+    if static:
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"{where}: {name} must be a Python bool, got {type(value).__name__}: it "
+                f"chooses what is computed, so it cannot be a traced value. Under jax.jit, make "
+                f"it static: jax.jit(step, static_argnames='{name}'), or call apply with a "
+                f"literal True/False inside the jitted function."
+            )
+        return value
+    if not isinstance(value, (bool, np.bool_)):
+        raise SettingTypeError(
+            f"{where}: {name} must be True or False, got {type(value).__name__} {value!r}."
+        )
+    return bool(value)
+
+
+def flags(where: str, /, **values: Any) -> None:
+    """`flag` for each of `values` (name=value): on/off settings, Python's or NumPy's bools."""
+    for name, value in values.items():
+        flag(where, name, value)
+
+
+def static_flags(where: str, /, **values: Any) -> None:
+    """`flag` with `static` for each of `values` (name=value): a call's flags, Python bools."""
+    for name, value in values.items():
+        flag(where, name, value, static=True)
+
+
+# --- numbers ----------------------------------------------------------------------------------
+
+
+def is_int(value: Any) -> bool:
+    """Whether `value` is an integer (Python's or NumPy's), and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def is_real(value: Any) -> bool:
+    """Whether `value` is a real number (Python's or NumPy's), and not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def is_concrete(x: Any) -> bool:
+    """Whether `x` holds known values (not a tracer of `jax.jit`, `vmap`, `grad`...)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def positive_int(where: str, name: str, value: Any, meaning: str = "") -> int:
+    """Returns `value` as an int; raises unless it is an integer >= 1 (a bool is not).
+
+    Args:
+        where: The caller, as messages name it.
+        name: The setting's name.
+        value: The setting.
+        meaning: Appended to "must be a positive int", e.g. ``", the size of the input's last
+            axis"``.
+    """
+    if not is_int(value) or value < 1:
+        error = ValueError if is_int(value) else SettingTypeError
+        raise error(f"{where}: {name} must be a positive int{meaning}, got {value!r}.")
+    return int(value)
+
+
+def non_negative_int(where: str, name: str, value: Any, meaning: str = "") -> int:
+    """Returns `value` as an int; raises unless it is an integer >= 0 (a bool is not)."""
+    if not is_int(value) or value < 0:
+        error = ValueError if is_int(value) else SettingTypeError
+        raise error(f"{where}: {name} must be a non-negative int{meaning}, got {value!r}.")
+    return int(value)
+
+
+def non_negative(
+    where: str,
+    name: str,
+    value: Any,
+    *,
+    at_most: float | None = None,
+    below: float | None = None,
+    meaning: str = "",
+) -> float:
+    """Returns `value` as a float; raises unless it is a finite real number >= 0 (in bounds).
+
+    A bool is not a number here (``Dropout(True)`` is a mistake, not a rate of 1).
+
+    Args:
+        where: The caller, as messages name it.
+        name: The setting's name.
+        value: The setting.
+        at_most: An upper bound that `value` may equal (``[0, at_most]``).
+        below: An upper bound that `value` must stay under (``[0, below)``).
+        meaning: Appended to the requirement, e.g. ``" (the weight of the old average)"``.
+    """
+    if below is not None:
+        requirement = f"a number in [0, {below:g})"
+    elif at_most is not None:
+        requirement = f"a number in [0, {at_most:g}]"
+    else:
+        requirement = "a finite non-negative number"
+    fits = is_real(value) and math.isfinite(value) and value >= 0
+    fits = fits and (below is None or value < below) and (at_most is None or value <= at_most)
+    if not fits:
+        error = ValueError if is_real(value) else SettingTypeError
+        hint = ""
+        if isinstance(value, str):
+            hint = " (a string is not a number: write 0.5, not '0.5')"
+        elif isinstance(value, (bool, np.bool_)):
+            hint = " (True and False are not numbers here)"
+        raise error(f"{where}: {name} must be {requirement}{meaning}, got {value!r}{hint}.")
+    return float(value)
+
+
+# --- dtypes and functions ---------------------------------------------------------------------
+
+
+def as_dtype(where: str, name: str, value: Dtype) -> np.dtype:
+    """Returns `value` as JAX stores it; raises `TypeError` if it names no dtype (None included).
+
+    64-bit types become 32-bit ones unless ``jax_enable_x64`` is on, as JAX's own arrays do, so
+    that a declared dtype is the dtype of the arrays (and `summary` counts the right bytes).
+    """
+    if value is None:
+        raise TypeError(
+            f"{where}: {name} must be a dtype such as jnp.float32, got None; leave the "
+            f"argument out for the default."
+        )
+    try:
+        result = jnp.dtype(value)
+    except TypeError:
+        raise TypeError(
+            f"{where}: {name} must be a dtype such as jnp.float32, got {value!r}."
+        ) from None
+    return np.dtype(jax.dtypes.canonicalize_dtype(result))
+
+
+def function(where: str, name: str, value: Any, example: str) -> Callable[..., Any]:
+    """Returns `value`; raises `TypeError` unless it is callable (an activation, ...)."""
+    if not callable(value):
+        raise TypeError(f"{where}: {name} must be a function such as {example}, got {value!r}.")
+    return value
+
+
+# --- casts into a variable --------------------------------------------------------------------
 
 
 def check_cast(

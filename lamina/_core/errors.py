@@ -1,14 +1,6 @@
-"""The exceptions a user can meet, and how paths are written in their messages."""
+"""The exceptions a user can meet (how their messages write paths: `checks.format_path`)."""
 
 from __future__ import annotations
-
-from collections.abc import Iterable, Sequence
-from typing import Any
-
-import numpy as np
-
-Key = str | int
-Path = tuple[Key, ...]
 
 
 class VariablesError(ValueError):
@@ -128,37 +120,9 @@ class TraceContextError(RuntimeError):
     """
 
 
-def format_path(path: Sequence[Key], collection: str | None = None) -> str:
-    """Writes a path the way messages show it: ``params/layers/0/kernel``.
+class SettingTypeError(TypeError, ValueError):
+    """A setting of the wrong type where a number or a flag is needed (a float size, a string rate).
 
-    Args:
-        path: Keys from the model root.
-        collection: Written in front of the path when given.
-
-    Returns:
-        The keys joined by ``/``; ``<root>`` for the empty path.
+    Also a `ValueError`, the error a wrong setting raises, so that code catching either one
+    catches it.
     """
-    parts = ([collection] if collection is not None else []) + [str(k) for k in path]
-    return "/".join(parts) if parts else "<root>"
-
-
-def format_list(items: Iterable[str], limit: int = 8) -> str:
-    """Joins at most `limit` items with commas and says how many were left out."""
-    items = list(items)
-    shown = ", ".join(items[:limit])
-    if len(items) > limit:
-        shown += f", ... and {len(items) - limit} more"
-    return shown
-
-
-def check_flags(where: str, /, **flags: Any) -> None:
-    """Raises `TypeError` unless every one of `flags` (name=value) is True or False.
-
-    For a function's on/off options (``strict=``...): ``strict="no"`` would otherwise count as
-    true.
-    """
-    for name, value in flags.items():
-        if not isinstance(value, (bool, np.bool_)):
-            raise TypeError(
-                f"{where}: {name} must be True or False, got {type(value).__name__} {value!r}."
-            )

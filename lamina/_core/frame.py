@@ -21,19 +21,29 @@ from typing import TYPE_CHECKING, Any
 import jax.numpy as jnp
 from jax.extend.core import get_opaque_trace_state
 
-from .checks import check_cast, check_number, is_number
+from .checks import check_cast, check_number, format_path, is_number
 from .errors import (
     ImmutableVariableError,
     TraceContextError,
     UnboundVariableError,
     VariablesError,
-    format_path,
 )
+from .types import Shape
 
 if TYPE_CHECKING:
     from .graph import Plan
     from .rng import RngStreams
     from .variables import State
+
+
+class Declaration:
+    """The base class of variable declarations (`variables.State` derives from it).
+
+    Declarations lie above the frame (they read and write through it), so the frame
+    recognises one by this base class rather than by importing them.
+    """
+
+    __slots__ = ()
 
 
 class _Local(threading.local):
@@ -48,12 +58,12 @@ def current_frame() -> Frame | None:
     return _LOCAL.frame
 
 
-def require_frame(what: str) -> Frame:
-    """Returns the innermost active frame, or raises: `what` runs only inside init/apply."""
+def require_frame(where: str) -> Frame:
+    """Returns the innermost active frame, or raises: `where` runs only inside init/apply."""
     frame = _LOCAL.frame
     if frame is None:
         raise RuntimeError(
-            f"{what} runs only inside init/apply: call the model through "
+            f"{where} runs only inside init/apply: call the model through "
             f"`init, apply = lm.transform(model)`."
         )
     return frame
@@ -74,7 +84,7 @@ class Frame:
         inside: For a frame nested inside a transform, what runs it (``"lm.vmap"``).
         writable: The slots a nested frame may write (a lifted transform's argument
             modules); None for every slot, or, with `inside`, for none.
-        records: What `lm.sow`/`lm.perturb` record into (`records.Records`), or None when
+        records: What `lm.sow`/`lm.perturb` record into (`recording.Records`), or None when
             the caller asked for no such collection.
     """
 
@@ -97,7 +107,7 @@ class Frame:
         values: Any,
         rngs: RngStreams,
         phase: str,
-        shapes: list[tuple[int, ...]] | None = None,
+        shapes: list[Shape] | None = None,
         inside: str | None = None,
         writable: frozenset[int] | None = None,
         records: Any = None,
@@ -216,7 +226,7 @@ class Frame:
             value = value.astype(target)
         self.values[slot] = value
 
-    def _held_as(self, state: State, shape: tuple[int, ...]) -> str:
+    def _held_as(self, state: State, shape: Shape) -> str:
         """How a write's message states the shape this frame holds for `state`."""
         if shape == state.shape:
             return f"declared with shape {shape}"
@@ -235,9 +245,9 @@ def _as_value(value: Any, state: State) -> Any:
     """`value` as an array; a Python number checked and made in the storage dtype.
 
     A Python number takes the variable's dtype as in JAX's weak typing, whatever its size
-    (``3_000_000_000`` into uint32), where it fits (`casting.check_number`).
+    (``3_000_000_000`` into uint32), where it fits (`checks.check_number`).
     """
-    if hasattr(value, "shape") and hasattr(value, "dtype") and not _is_declaration(value):
+    if hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, Declaration):
         return value
     if is_number(value):
         target = state.param_dtype
@@ -252,12 +262,6 @@ def _as_value(value: Any, state: State) -> Any:
             f"cannot write {type(value).__name__} {value!r:.60} to {_named(state)}: expected "
             f"an array or a number."
         ) from error
-
-
-def _is_declaration(value: Any) -> bool:
-    from .variables import State
-
-    return isinstance(value, State)
 
 
 def frame_of(state: State) -> Frame:

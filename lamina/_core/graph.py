@@ -20,8 +20,9 @@ from typing import Any, NamedTuple
 
 import jax
 
-from .errors import Key, Path, format_path
+from .checks import format_path
 from .module import Module, running_module
+from .types import Key, Path, Shape
 from .variables import State
 
 Node = Module | State
@@ -77,34 +78,20 @@ class StackedAxis(NamedTuple):
     owner: Any
 
 
-def walk(root: Any) -> Iterator[tuple[Path, Node]]:
-    """Yields ``(path, node)`` for every `Module` and `State` under `root`, each once.
-
-    Args:
-        root: A module (or a container of modules).
-
-    Yields:
-        The path from `root` (attribute names and dict keys as ``str``, list and tuple indices
-        as ``int``) and the object, depth first, in attribute insertion order.
-
-    Raises:
-        ValueError: An object is reached both inside and outside a `Stack` (or inside two).
-    """
-    for path, node, _ in walk_stacked(root):
-        yield path, node
+Axes = tuple[StackedAxis, ...]  # the stacked axes a node lies under, outermost first
 
 
-def walk_stacked(
-    root: Any, outer: tuple[StackedAxis, ...] = ()
-) -> Iterator[tuple[Path, Node, tuple[StackedAxis, ...]]]:
-    """`walk`, with the stacked axes each node lies under (outermost first).
+def walk(root: Any, outer: Axes = ()) -> Iterator[tuple[Path, Node, Axes]]:
+    """Yields ``(path, node, axes)`` for every `Module` and `State` under `root`, each once.
 
-    A module whose class defines ``_lamina_stacked_axis`` (`Stack`) adds one axis to every
-    node reached through the attributes that hook names (a Stack's ``block``), and to no
-    other. The stored layout of a variable is those axes in front of its declared shape: it
-    belongs to the plan, the declarations stay as the user made them. An object met again
-    must lie under the same stacking modules: one reached inside a `Stack` and outside it,
-    or inside two, would need two layouts at once, which is an error naming both paths.
+    The walk is depth first, in attribute insertion order, then list/tuple items and dict
+    entries. A module whose class defines ``_lamina_stacked_axis`` (`Stack`) adds one axis to
+    every node reached through the attributes that hook names (a Stack's ``block``), and to no
+    other: `axes` are the stacked axes a node lies under, outermost first. The stored layout of
+    a variable is those axes in front of its declared shape: it belongs to the plan, the
+    declarations stay as the user made them. An object met again must lie under the same
+    stacking modules: one reached inside a `Stack` and outside it, or inside two, would need
+    two layouts at once, which is an error naming both paths.
 
     Args:
         root: A module (or a container of modules).
@@ -112,61 +99,76 @@ def walk_stacked(
             part of a model: `take_variables`).
 
     Yields:
-        ``(path, node, axes)``.
-    """
-    seen: dict[int, tuple[Path, tuple[StackedAxis, ...]]] = {}
-    open_containers: set[int] = set()
+        The path from `root` (attribute names and dict keys as ``str``, list and tuple indices
+        as ``int``), the object, and its stacked axes.
 
-    def visit(
-        path: Path, node: Any, axes: tuple[StackedAxis, ...]
-    ) -> Iterator[tuple[Path, Node, tuple[StackedAxis, ...]]]:
+    Raises:
+        ValueError: An object is reached both inside and outside a `Stack` (or inside two).
+    """
+    seen: dict[int, tuple[Path, Axes]] = {}
+    open_containers: set[int] = set()  # a container that holds itself is walked once
+    # One loop over a stack of the open nodes' children, not a generator per level (a deep
+    # model's nodes would each pass through every level above them); each level's children
+    # are read as the walk reaches them. `opened` holds the id each level closes.
+    levels: list[Iterator[tuple[Path, Any, Axes]]] = [iter((((), root, tuple(outer)),))]
+    opened: list[int | None] = [None]
+    while levels:
+        entry = next(levels[-1], None)
+        if entry is None:
+            levels.pop()
+            open_containers.discard(opened.pop())
+            continue
+        path, node, axes = entry
+        inner, attributes = axes, ()
         if isinstance(node, (Module, State)):
             first = seen.get(id(node))
             if first is not None:
                 if _owners(first[1]) != _owners(axes):
                     raise _stacked_twice(node, first, (path, axes))
-                return
+                continue
             seen[id(node)] = (path, axes)
             yield path, node, axes
             if isinstance(node, State):
-                return
+                continue
             _check_class_attributes(path, node)
             stacked = getattr(type(node), "_lamina_stacked_axis", None)
             if stacked is not None:
                 size, name, attributes = stacked(node)
                 inner = (*axes, StackedAxis(size, name, path, node))
-                open_containers.add(id(node))
-                for key, child in children(node):
-                    if type(child) not in _SETTINGS:
-                        yield from visit((*path, key), child, inner if key in attributes else axes)
-                open_containers.discard(id(node))
-                return
         elif isinstance(node, (list, tuple, dict)):
             if id(node) in open_containers:
-                return  # a container that holds itself
+                continue
         else:
             _check_hidden(path, node)
-            return
+            continue
         open_containers.add(id(node))
-        for key, child in children(node):
-            if type(child) in _SETTINGS:
-                continue  # nothing to find or refuse in it: skip a generator per setting
-            yield from visit((*path, key), child, axes)
-        open_containers.discard(id(node))
-
-    yield from visit((), root, tuple(outer))
+        opened.append(id(node))
+        levels.append(_visited_children(path, node, axes, inner, attributes))
 
 
-def _owners(axes: tuple[StackedAxis, ...]) -> tuple[int, ...]:
+def _visited_children(
+    path: Path, node: Any, axes: Axes, inner: Axes, attributes: Any
+) -> Iterator[tuple[Path, Any, Axes]]:
+    """The children of `node` that `walk` visits, in order, with the axes each lies under.
+
+    Settings (numbers, strings, bools) hold nothing to find or refuse: they are passed by
+    here, without a visit each.
+    """
+    for key, child in children(node):
+        if type(child) not in _SETTINGS:
+            yield (*path, key), child, inner if key in attributes else axes
+
+
+def _owners(axes: Axes) -> tuple[int, ...]:
     return tuple(id(axis.owner) for axis in axes)
 
 
 def _stacked_twice(
     node: Node,
-    first: tuple[Path, tuple[StackedAxis, ...]],
-    again: tuple[Path, tuple[StackedAxis, ...]],
+    first: tuple[Path, Axes],
+    again: tuple[Path, Axes],
 ) -> ValueError:
-    def where(path: Path, axes: tuple[StackedAxis, ...]) -> str:
+    def where(path: Path, axes: Axes) -> str:
         if not axes:
             return f"{format_path(path)} (outside any Stack)"
         inside = " and ".join(
@@ -314,7 +316,7 @@ class VariableEntry:
     axis_names: tuple[str | None, ...] = ()
 
     @property
-    def shape(self) -> tuple[int, ...]:
+    def shape(self) -> Shape:
         """The shape stored in the variables: `axes` in front of the declared shape."""
         return self.axes + self.state.shape
 
@@ -361,7 +363,7 @@ class Plan:
             layout the model stores; empty (the default): `root` as a model of its own.
     """
 
-    def __init__(self, root: Module, outer: tuple[StackedAxis, ...] = ()):
+    def __init__(self, root: Module, outer: Axes = ()):
         if not isinstance(root, Module):
             raise TypeError(
                 f"expected an lm.Module, got {type(root).__name__}. Models are defined by "
@@ -371,9 +373,9 @@ class Plan:
         modules: list[tuple[Path, Module]] = []
         declared: list[VariableEntry] = []
         skeleton: dict[str, Any] = {}
-        stacked: dict[int, tuple[StackedAxis, ...]] = {}
+        stacked: dict[int, Axes] = {}
         with deep_recursion():
-            for path, node, axes in walk_stacked(root, outer):
+            for path, node, axes in walk(root, outer):
                 _check_path(path)
                 if isinstance(node, Module):
                     modules.append((path, node))
@@ -396,7 +398,7 @@ class Plan:
         self._module_paths: dict[int, Path] | None = None
         self._stacked = stacked
 
-    def stacked_axes(self, module: Module) -> tuple[StackedAxis, ...]:
+    def stacked_axes(self, module: Module) -> Axes:
         """The stacked axes that `module` (one of this plan's) lies under, outermost first.
 
         Every variable reached through `module` is stored with these axes in front of its
@@ -424,7 +426,7 @@ class Plan:
         """
         slots = self._slots_of.get(id(module))
         if slots is None:
-            owned = {id(node) for _, node in walk(module) if isinstance(node, State)}
+            owned = {id(node) for _, node, _ in walk(module) if isinstance(node, State)}
             slots = tuple(i for i, entry in enumerate(self.variables) if id(entry.state) in owned)
             self._slots_of[id(module)] = slots
         return slots
@@ -490,7 +492,7 @@ class Plan:
             f"variables dict outside the call."
         )
 
-    def _copies_run_here(self, held: tuple[StackedAxis, ...]) -> bool:
+    def _copies_run_here(self, held: Axes) -> bool:
         """Whether the running method is code of a block that `held` stacks (or unknown).
 
         The module whose method is running (`module.running_module`) runs once per copy when
@@ -508,9 +510,9 @@ class Plan:
         paths = {axis.path for axis in held}
         return any(axis.path in paths for axis in self.stacked_axes(module))
 
-    def _stacked_owners(self, entry: VariableEntry) -> tuple[StackedAxis, ...]:
+    def _stacked_owners(self, entry: VariableEntry) -> Axes:
         """The stacked axes of `entry` with the Stacks that add them (for messages)."""
-        deepest: tuple[StackedAxis, ...] = ()
+        deepest: Axes = ()
         for path, module in self.modules:
             if entry.path[: len(path)] == path and len(path) < len(entry.path):
                 axes = self.stacked_axes(module)

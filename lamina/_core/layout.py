@@ -15,16 +15,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import VariablesError, format_list
+from .checks import format_list
+from .errors import VariablesError
 from .graph import FlatKey, Plan, VariableEntry
+from .types import Dtype
 
 
-def flatten_variables(variables: Any, what: str = "variables") -> dict[FlatKey, Any]:
+def flatten_variables(variables: Any, where: str = "variables") -> dict[FlatKey, Any]:
     """Flattens nested mappings into ``{(collection, *path): leaf}``.
 
     Args:
         variables: ``{collection: nested dict}``; any `Mapping` type is accepted.
-        what: How messages name the argument.
+        where: How messages name the argument (or its caller).
 
     Returns:
         The leaves by key, in the mappings' own order.
@@ -34,7 +36,7 @@ def flatten_variables(variables: Any, what: str = "variables") -> dict[FlatKey, 
     """
     if not isinstance(variables, Mapping):
         raise VariablesError(
-            f"{what} must be a dict {{collection: {{...}}}} such as init returns, got "
+            f"{where} must be a dict {{collection: {{...}}}} such as init returns, got "
             f"{type(variables).__name__}."
         )
     flat: dict[FlatKey, Any] = {}
@@ -46,7 +48,7 @@ def flatten_variables(variables: Any, what: str = "variables") -> dict[FlatKey, 
                 visit(path, child)
             elif child is None or isinstance(child, (list, tuple)):
                 raise VariablesError(
-                    f"{what} hold {type(child).__name__} at {'/'.join(path)}; expected an "
+                    f"{where} hold {type(child).__name__} at {'/'.join(path)}; expected an "
                     f"array or a nested dict of arrays."
                 )
             else:
@@ -67,13 +69,13 @@ def nest(items: Iterable[tuple[FlatKey, Any]]) -> dict[str, Any]:
     return tree
 
 
-def bind_variables(plan: Plan, variables: Any, what: str) -> list:
+def bind_variables(plan: Plan, variables: Any, where: str) -> list:
     """Checks `variables` against `plan` and returns one array per slot, in slot order.
 
     Args:
         plan: The model's plan.
         variables: The user's variables.
-        what: Where the check happens, for messages (``"apply"``).
+        where: Where the check happens, for messages (``"apply"``).
 
     Returns:
         The leaves in the plan's slot order.
@@ -95,7 +97,7 @@ def bind_variables(plan: Plan, variables: Any, what: str) -> list:
                 return leaves
         except AttributeError:
             pass  # Python scalars or other leaves without a shape: the careful path decides
-    return _bind_checked(plan, variables, what)
+    return _bind_checked(plan, variables, where)
 
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
@@ -103,16 +105,16 @@ _ARRAYS = (jax.Array, np.ndarray, np.generic)
 _SHAPE = operator.attrgetter("shape")
 
 
-def _bind_checked(plan: Plan, variables: Any, what: str) -> list:
-    flat = flatten_variables(variables, f"{what}'s variables")
-    check_variables(plan, flat, what)
-    return [_as_array(flat[entry.key], entry.name, what) for entry in plan.variables]
+def _bind_checked(plan: Plan, variables: Any, where: str) -> list:
+    flat = flatten_variables(variables, f"{where}'s variables")
+    check_variables(plan, flat, where)
+    return [_as_array(flat[entry.key], entry.name, where) for entry in plan.variables]
 
 
 def check_variables(
     plan: Plan,
     flat: dict[FlatKey, Any],
-    what: str,
+    where: str,
     allow_missing: bool = False,
     allow_unexpected: bool = False,
     dtypes: bool = False,
@@ -124,7 +126,7 @@ def check_variables(
         plan: The model's plan.
         flat: Variables flattened by `flatten_variables` (arrays, or anything with ``shape``
             and, when `dtypes`, ``dtype``).
-        what: Where the check happens, for messages.
+        where: Where the check happens, for messages.
         allow_missing: Whether the model may have variables that `flat` lacks.
         allow_unexpected: Whether `flat` may hold paths the model lacks. Shape mismatches are
             always errors.
@@ -182,12 +184,11 @@ def check_variables(
             f"The top-level keys should be collections ({', '.join(sorted(collections))}): "
             f"did you pass variables['params'] where {{'params': ...}} was expected?"
         )
-    raise VariablesError(
-        f"{what} got variables that do not match {model}:\n  " + "\n  ".join(problems) + f"\n{hint}"
-    )
+    listed = "\n  ".join(problems)
+    raise VariablesError(f"{where} got variables that do not match {model}:\n  {listed}\n{hint}")
 
 
-def _name(dtype: Any) -> str:
+def _name(dtype: Dtype) -> str:
     """A dtype's name (``bfloat16``), or what stands for one (a file's unknown type code)."""
     return getattr(dtype, "name", str(dtype))
 
@@ -198,7 +199,7 @@ def _shape_of(leaf: Any) -> tuple[int, ...] | str:
     return f"{type(leaf).__name__} {leaf!r:.40}"
 
 
-def _as_array(leaf: Any, name: str, what: str) -> Any:
+def _as_array(leaf: Any, name: str, where: str) -> Any:
     if isinstance(leaf, _ARRAYS):
         return leaf
     if isinstance(leaf, (bool, int, float, complex)):
@@ -210,12 +211,12 @@ def _as_array(leaf: Any, name: str, what: str) -> Any:
             "without holding one: run init itself for values."
         )
     raise VariablesError(
-        f"{what} got {type(leaf).__name__} {leaf!r:.60} at {name}; variables must be arrays "
+        f"{where} got {type(leaf).__name__} {leaf!r:.60} at {name}; variables must be arrays "
         f"(or Python numbers).{hint}"
     )
 
 
-def present_variables(plan: Plan, variables: Any, what: str) -> list[tuple[VariableEntry, Any]]:
+def present_variables(plan: Plan, variables: Any, where: str) -> list[tuple[VariableEntry, Any]]:
     """The model's variables that `variables` holds, in the plan's order, with their arrays.
 
     `variables` may hold a subset of the model's variables (``{"params": params}`` alone, or
@@ -224,11 +225,11 @@ def present_variables(plan: Plan, variables: Any, what: str) -> list[tuple[Varia
     Args:
         plan: The model's plan.
         variables: ``{collection: nested dict}``, complete or not.
-        what: The caller, for messages.
+        where: The caller, for messages.
 
     Returns:
         ``(entry, array)`` pairs in the order of ``plan.variables``.
     """
-    flat = flatten_variables(variables, f"{what}'s variables")
-    check_variables(plan, flat, what, allow_missing=True)
+    flat = flatten_variables(variables, f"{where}'s variables")
+    check_variables(plan, flat, where, allow_missing=True)
     return [(entry, flat[entry.key]) for entry in plan.variables if entry.key in flat]

@@ -10,9 +10,12 @@ import types
 import weakref
 from typing import Any
 
+from .checks import format_path
 from .copying import copy_object, picklable_state
-from .errors import FrozenModuleError, format_path
+from .errors import FrozenModuleError
 from .frame import current_frame
+from .initializer import Initializer
+from .variables import State
 
 _MISSING = object()
 # Code objects by id (hashing a code object hashes its bytecode: slow; the values keep the
@@ -145,9 +148,6 @@ def _forget(key: int, _: Any) -> None:
 
 
 def _check_value(where: str, value: Any, stack: collections.deque | None, seen: set[int]) -> None:
-    from ..initializers import Initializer
-    from .variables import State
-
     if isinstance(value, Module):
         if stack is not None and id(value) not in seen:
             seen.add(id(value))
@@ -212,8 +212,6 @@ def _unnamed_message(where: str, function: types.FunctionType) -> str:
 
 def _holds_parts(value: Any) -> bool:
     """Whether `value` is, or its lists, tuples and dicts hold, a module or a declaration."""
-    from .variables import State
-
     if isinstance(value, (Module, State)):
         return True
     if isinstance(value, dict):
@@ -322,8 +320,6 @@ def _wrapped(value: Any) -> Any:
 
 
 def _repr_module(module: Module, indent: str, seen: set[int]) -> str:
-    from .variables import State
-
     name = type(module).__name__
     if id(module) in seen:
         return f"{name}(...)"  # shared: shown in full where first met
@@ -349,8 +345,6 @@ def _repr_module(module: Module, indent: str, seen: set[int]) -> str:
 
 
 def _repr_container(container: Any, indent: str, seen: set[int]) -> str:
-    from .variables import State
-
     items = container.items() if isinstance(container, dict) else enumerate(container)
     inner = indent + "  "
     lines = []
@@ -374,8 +368,6 @@ def _repr_container(container: Any, indent: str, seen: set[int]) -> str:
 
 
 def _holds_nodes(container: Any) -> bool:
-    from .variables import State
-
     items = container.values() if isinstance(container, dict) else container
     for child in items:
         if isinstance(child, (Module, State)):

@@ -51,9 +51,9 @@ class PRNGKeys:
         return f"PRNGKeys({'...' if self.default is not None else 'None'}{named})"
 
 
-def check_rngs(rngs: Any, where: str) -> None:
+def check_rngs(where: str, rngs: Any) -> None:
     """Raises `TypeError` unless `rngs` is None, a key, a dict of keys or `PRNGKeys`."""
-    if rngs is None or isinstance(rngs, (PRNGKeys, dict)) or _is_key(rngs):
+    if rngs is None or isinstance(rngs, (PRNGKeys, dict)) or is_key(rngs):
         return
     hint = ""
     if isinstance(rngs, (int, np.integer)):
@@ -70,7 +70,7 @@ def check_rngs(rngs: Any, where: str) -> None:
     )
 
 
-def _is_key(x: Any) -> bool:
+def is_key(x: Any) -> bool:
     """Whether `x` is one key: a typed key of shape (), or a raw ``uint32`` key.
 
     A raw key has the default implementation's shape (``jax.random.PRNGKey(0)``: ``(2,)``).
@@ -122,7 +122,7 @@ class RngStreams:
             for name, key in keys.items():
                 if not isinstance(name, str):
                     raise TypeError(f"rngs: stream names must be strings, got {name!r}.")
-                if not _is_key(key):
+                if not is_key(key):
                     raise TypeError(
                         f"rngs: the {_label(name)} stream is {_describe(key)}, not a PRNG key; "
                         f"make keys with jax.random.key(seed)."

@@ -17,16 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .checks import check_cast, check_number, is_number
+from .checks import check_cast, check_number, flags, format_list, format_path, is_number
 from .copying import freeze
-from .errors import RngError, VariablesError, check_flags, format_list, format_path
+from .errors import RngError, VariablesError
 from .frame import Frame, PendingValues
 from .graph import Plan, VariableEntry, deep_recursion
 from .layout import bind_variables, check_variables, flatten_variables
 from .module import Module
-from ..records.records import CAPTURE, Records, finish, split_requests
+from .recording import CAPTURE, Records, finish, split_requests
 from .rng import RngStreams, check_rngs
-from .types import Variables
+from .types import Dtype, Shape, Variables
 from .variables import Assigned
 
 
@@ -140,7 +140,7 @@ def _make_init(plan: Plan) -> Callable[..., Variables]:
     groups = _init_groups(plan)
 
     def init(rngs: Any = None, /) -> Variables:
-        check_rngs(rngs, "init")
+        check_rngs("init", rngs)
         streams = RngStreams(rngs)
         values: list[Any] = [None] * len(plan.variables)
         if plan.variables:
@@ -197,7 +197,7 @@ class _InitGroup:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _init_stacked(init: Any, shape: tuple[int, ...], dtype: Any, base: Any, salts: Any) -> Any:
+def _init_stacked(init: Any, shape: Shape, dtype: Dtype, base: Any, salts: Any) -> Any:
     """``init`` for each salt's key, stacked: one compiled program per group signature."""
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base, salts)
     return jax.vmap(lambda key: init(key, shape, dtype))(keys)
@@ -252,7 +252,7 @@ def _make_apply(plan: Plan, fn: Callable[..., Any] | None) -> Callable[..., Any]
         variables, requests = split_requests(variables, declared)
         values = bind_variables(plan, variables, "apply")
         if rngs is not None:
-            check_rngs(rngs, "apply")
+            check_rngs("apply", rngs)
         if fn is None:
             raise TypeError(
                 f"{type(plan.root).__name__} has no __call__ method, so apply does not know "
@@ -480,7 +480,7 @@ def assign_variables(
         >>> report.missing
         ('params/bias',)
     """
-    check_flags(
+    flags(
         "lm.assign_variables",
         strict=strict,
         allow_unexpected=allow_unexpected,

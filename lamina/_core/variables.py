@@ -20,26 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..initializers import from_jax
-from .checks import check_cast, check_number, is_number, narrowing_damage
+from .checks import as_dtype, check_cast, check_number, format_path, is_number
 from .copying import copy_object
-from .errors import format_path
-from .frame import current_frame, frame_of, where_is
-from .types import Initializer, Shape
-
-__all__ = [
-    "Assigned",
-    "BatchStat",
-    "Cache",
-    "Initializer",
-    "Parameter",
-    "Shape",
-    "State",
-    "narrowing_damage",
-]
+from .frame import Declaration, current_frame, frame_of, where_is
+from .initializer import from_jax
+from .types import Dtype, Initializer, Shape
 
 
-class State:
+class State(Declaration):
     """An array the model declares: its collection, shape, initializer and dtypes.
 
     A `State` holds no value. Inside a call, `.value` is the array bound to it (cast to
@@ -77,49 +65,49 @@ class State:
         collection: str,
         shape: Sequence[int] | int,
         init: Initializer,
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = None,
         mutable: bool = False,
         *,
         tags: Sequence[str] | str = (),
         sharding: Sequence[str | None] | None = None,
     ):
-        kind = type(self).__name__
+        where = type(self).__name__
         if not isinstance(collection, str) or not collection or "/" in collection:
             raise ValueError(
-                f"{kind}: collection must be a non-empty string without '/', got {collection!r}."
+                f"{where}: collection must be a non-empty string without '/', got {collection!r}."
             )
         self.collection = collection
-        self.shape = _as_shape(shape, kind)
+        self.shape = _as_shape(where, shape)
         if not callable(init):
             raise TypeError(
-                f"{kind}: init must be a function init(key, shape, dtype) -> array, such as "
+                f"{where}: init must be a function init(key, shape, dtype) -> array, such as "
                 f"lm.initializers.zeros(); got {init!r}."
             )
         self.init = from_jax(init)  # JAX's closures: the same function, made picklable
         stored = (
-            as_dtype(param_dtype, kind, "param_dtype")
+            as_dtype(where, "param_dtype", param_dtype)
             if param_dtype is not None
-            else as_dtype(jnp.float32 if dtype is None else dtype, kind, "dtype")
+            else as_dtype(where, "dtype", jnp.float32 if dtype is None else dtype)
         )
-        self.dtype = stored if dtype is None else as_dtype(dtype, kind, "dtype")
+        self.dtype = stored if dtype is None else as_dtype(where, "dtype", dtype)
         self.param_dtype = stored
         if jnp.issubdtype(stored, jnp.complexfloating) and not jnp.issubdtype(
             self.dtype, jnp.complexfloating
         ):
             raise TypeError(
-                f"{kind}: param_dtype={stored} is complex but dtype={self.dtype} is not: every "
+                f"{where}: param_dtype={stored} is complex but dtype={self.dtype} is not: every "
                 f"read of .value would drop the imaginary part. Pass dtype={stored} or "
                 f"dtype=None (read in the stored dtype)."
             )
         self.mutable = bool(mutable)
         self.tags = (tags,) if isinstance(tags, str) else tuple(tags)
         if not all(isinstance(t, str) for t in self.tags):
-            raise TypeError(f"{kind}: tags must be strings, got {self.tags!r}.")
+            raise TypeError(f"{where}: tags must be strings, got {self.tags!r}.")
         self.sharding = None if sharding is None else tuple(sharding)
         if self.sharding is not None and len(self.sharding) != len(self.shape):
             raise ValueError(
-                f"{kind}: sharding names one logical axis per dimension; shape {self.shape} has "
+                f"{where}: sharding names one logical axis per dimension; shape {self.shape} has "
                 f"{len(self.shape)} dimensions but sharding={self.sharding!r}."
             )
 
@@ -160,7 +148,7 @@ class State:
         super().__init_subclass__(**kwargs)
         _register_pytree(cls)
 
-    def _given(self, dtype: Any) -> str:
+    def _given(self, dtype: Dtype) -> str:
         """The start of the message for a value of `dtype` that `apply` got for this state."""
         stored = f"read as {self.dtype}"
         if self.dtype != self.param_dtype:
@@ -250,7 +238,7 @@ class State:
     def __jax_array__(self) -> Any:
         return self.value
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: Dtype = None, copy: Any = None) -> np.ndarray:
         return np.asarray(self.value, dtype=dtype)
 
     __hash__ = object.__hash__  # identity: the plan keys declarations by object
@@ -414,8 +402,8 @@ class Parameter(State):
         self,
         shape: Sequence[int] | int,
         init: Initializer,
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = None,
         *,
         tags: Sequence[str] | str = (),
         sharding: Sequence[str | None] | None = None,
@@ -449,8 +437,8 @@ class BatchStat(State):
         self,
         shape: Sequence[int] | int,
         init: Initializer,
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = None,
         *,
         tags: Sequence[str] | str = (),
         sharding: Sequence[str | None] | None = None,
@@ -493,8 +481,8 @@ class Cache(State):
         self,
         shape: Sequence[int] | int,
         init: Initializer,
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = None,
         *,
         tags: Sequence[str] | str = (),
         sharding: Sequence[str | None] | None = None,
@@ -517,7 +505,7 @@ class Assigned:
     def __deepcopy__(self, memo: dict[int, Any]) -> Assigned:
         return copy_object(self, memo)  # a JAX array is shared, a NumPy array copied
 
-    def __call__(self, key: Any, shape: Sequence[int], dtype: Any = jnp.float32) -> Any:
+    def __call__(self, key: Any, shape: Sequence[int], dtype: Dtype = jnp.float32) -> Any:
         del key, shape
         return jnp.asarray(self.array, dtype=dtype)
 
@@ -530,36 +518,19 @@ def _name_of(init: Any) -> str:
     return name if name is not None else repr(init)
 
 
-def _as_shape(shape: Any, kind: str) -> Shape:
+def _as_shape(where: str, shape: Any) -> Shape:
     if isinstance(shape, (int, np.integer)):
         shape = (shape,)
     try:
         dims = tuple(shape)
     except TypeError:
-        raise TypeError(f"{kind}: shape must be a tuple of ints, got {shape!r}.") from None
+        raise TypeError(f"{where}: shape must be a tuple of ints, got {shape!r}.") from None
     if not all(
         isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in dims
     ):
-        raise TypeError(f"{kind}: shape must be a tuple of non-negative ints, got {shape!r}.")
+        raise TypeError(f"{where}: shape must be a tuple of non-negative ints, got {shape!r}.")
     return tuple(int(d) for d in dims)
 
 
 # Attributes of Metoryx's declarations that lamina names otherwise.
 _RENAMED = {"col": "collection"}
-
-
-def as_dtype(dtype: Any, kind: str, name: str) -> np.dtype:
-    """Returns `dtype` as JAX stores it, or raises a `TypeError` naming `kind` and `name`.
-
-    64-bit types become 32-bit ones unless ``jax_enable_x64`` is on, as JAX's own arrays do, so
-    that the declared dtype is the dtype of the arrays (and `summary` counts the right bytes).
-    """
-    if dtype is None:
-        raise TypeError(f"{kind}: {name} must be a dtype such as jnp.float32, got None.")
-    try:
-        result = jnp.dtype(dtype)
-    except TypeError:
-        raise TypeError(
-            f"{kind}: {name} must be a dtype such as jnp.float32, got {dtype!r}."
-        ) from None
-    return np.dtype(jax.dtypes.canonicalize_dtype(result))

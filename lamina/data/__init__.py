@@ -1,4 +1,9 @@
-"""Data for examples and tests: MNIST-format folders, the bundled digits, a batch iterator."""
+"""Data for examples and tests: MNIST-format folders, the bundled digits, a batch iterator.
+
+Beside the model rather than below it: it reads files and NumPy arrays, no plan and no
+module, and imports nothing of lamina. `idx.py` reads the IDX format, `images.py` the
+image-classification folders and scikit-learn's digits, `batches.py` shuffles and batches.
+"""
 
 from .batches import batches as batches
 from .idx import IdxFormatError as IdxFormatError

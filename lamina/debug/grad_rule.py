@@ -115,18 +115,7 @@ def grad_rule(fn: Callable[P, tuple[Any, Pullback]]) -> Callable[P, Any]:
     def rule(*args: P.args, **kwargs: P.kwargs) -> Any:
         for position, arg in enumerate(args):
             _check_argument(name, position, arg)
-        kw_leaves, kw_tree = jax.tree.flatten(kwargs)
-        is_array = [isinstance(leaf, jax.Array) for leaf in kw_leaves]
-        kw_arrays = [leaf for leaf, array in zip(kw_leaves, is_array, strict=True) if array]
-
-        def keywords(arrays: Sequence[Any]) -> dict[str, Any]:
-            given = iter(arrays)
-            leaves = [
-                next(given) if array else leaf
-                for leaf, array in zip(kw_leaves, is_array, strict=True)
-            ]
-            return jax.tree.unflatten(kw_tree, leaves)
-
+        keywords = _Keywords(kwargs)
         differentiating = _differentiating()
 
         def primal(args: tuple[Any, ...], kw_arrays: list[Any]) -> Any:
@@ -151,7 +140,7 @@ def grad_rule(fn: Callable[P, tuple[Any, Pullback]]) -> Callable[P, Any]:
             return result
 
         def call(args: tuple[Any, ...], kw_arrays: list[Any], pullback: bool) -> Any:
-            y, pullback_fn = _call(fn, name, args, keywords(kw_arrays), differentiating)
+            y, pullback_fn = _call(fn, name, args, keywords.rebuild(kw_arrays), differentiating)
             return (y, _trace_pullback(name, pullback_fn, y, args)) if pullback else y
 
         def backward(residuals: _Residuals, g: Any) -> tuple[Any, None]:
@@ -160,9 +149,33 @@ def grad_rule(fn: Callable[P, tuple[Any, Pullback]]) -> Callable[P, Any]:
         primal.__name__ = primal.__qualname__ = getattr(fn, "__name__", "grad_rule")
         differentiable = jax.custom_vjp(primal)
         differentiable.defvjp(forward, backward)
-        return differentiable(tuple(args), kw_arrays)
+        return differentiable(tuple(args), keywords.arrays)
 
     return rule
+
+
+class _Keywords:
+    """A call's keyword arguments, split: the arrays, and the values closed over.
+
+    The arrays cross the `custom_vjp` boundary as primal inputs (their cotangent is zero);
+    everything else (numbers, strings, functions) stays a Python value.
+    """
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self.leaves, self.tree = jax.tree.flatten(kwargs)
+        self.is_array = [isinstance(leaf, jax.Array) for leaf in self.leaves]
+        self.arrays = [
+            leaf for leaf, array in zip(self.leaves, self.is_array, strict=True) if array
+        ]
+
+    def rebuild(self, arrays: Sequence[Any]) -> dict[str, Any]:
+        """The keyword arguments, with `arrays` in the places of the arrays."""
+        given = iter(arrays)
+        leaves = [
+            next(given) if array else leaf
+            for leaf, array in zip(self.leaves, self.is_array, strict=True)
+        ]
+        return jax.tree.unflatten(self.tree, leaves)
 
 
 @jax.custom_vjp

@@ -4,52 +4,33 @@ The method is `jax.test_util.check_grads`': derivatives along a direction, by au
 by finite differences. It is applied to one variable (or input) at a time, so that a
 disagreement names the variable whose gradient is wrong. `check_gradients`'s docstring says
 where it differs from JAX's, and why.
+
+The arrays checked and the loss are built in `gradcheck_problem.py`; the directions, steps,
+tolerances and the comparison in `finite_differences.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import math
 import numbers
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from .._core.errors import format_list
-from .._core.layout import flatten_variables, nest
+from .._core.layout import flatten_variables
 from .._core.module import Module
+from .._core.types import Variables
+from .finite_differences import DerivativeCheck, Failure, Tolerance, projected_gradient
+from .gradcheck_problem import Function, Problem, Selection, default_loss, selected_keys, user_loss
 
-Selection = str | Sequence[str] | Mapping[str, Any] | None
-"""Which variables `check_gradients` checks: collection name(s) or a boolean mask tree."""
-
-# Per working dtype: (eps, atol, rtol). The step is eps times the variable's scale (its rms
-# value, at least 1); see `check_gradients` for how these were chosen.
-_DEFAULTS: dict[str, tuple[float, float, float]] = {
-    "float64": (1e-5, 1e-8, 1e-5),
-    "float32": (1e-3, 1e-3, 2e-3),
-    "float16": (1e-2, 5e-2, 5e-2),
-    "bfloat16": (3e-2, 2e-1, 1e-1),
-}
 _MODES = ("fwd", "rev")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Leaf:
-    """One checked array: its name in messages and where it sits among the arguments."""
-
-    name: str
-    value: jax.Array
-    variable: tuple[str, ...] | None  # its flat key in the variables, or None for an input
-    position: int  # its index among the leaves of the inputs (inputs only)
 
 
 def check_gradients(
     apply: Callable[..., Any],
-    variables: Mapping[str, Any],
+    variables: Variables,
     rngs: Any,
     *args: Any,
     wrt: Selection = "params",
@@ -198,27 +179,40 @@ def check_gradients(
     for name, value in given.items():
         if value is not None:
             _check_tolerance(name, value, positive=name == "eps")
-    problem = _Problem(apply, flat, _selected(flat, wrt), args, inputs, kwargs)
+    problem = Problem(apply, flat, selected_keys(flat, wrt), args, inputs, kwargs)
     outputs = jax.eval_shape(problem.outputs, problem.xs, problem.rest, rngs)
-    problem.loss = _default_loss(outputs, seed) if loss is None else _user_loss(loss)
-    tolerance = _Tolerance.of(problem.xs, outputs, given)
-    failures: list[_Failure] = []
-    for mode in modes:
-        rng = np.random.default_rng(seed)
-        function: Function = problem.evaluate
-        described = ""
-        for level in range(1, order + 1):
-            check = _Check(problem, function, rngs, mode, described, tolerance)
-            failures += check.run(rng)
-            if level < order:
-                function = _projected_gradient(function, problem.xs, mode, rng)
-                described += f" (order {level + 1}: the derivative of <grad, w>)"
+    problem.loss = default_loss(outputs, seed) if loss is None else user_loss(loss)
+    tolerance = Tolerance.of(problem.xs, outputs, given)
+    failures = _check_every_order(problem, rngs, modes, order, seed, tolerance)
     if failures:
         raise AssertionError(_report(failures))
     return tuple(leaf.name for leaf in problem.leaves)
 
 
-def _report(failures: list[_Failure]) -> str:
+def _check_every_order(
+    problem: Problem,
+    rngs: Any,
+    modes: tuple[str, ...],
+    order: int,
+    seed: int,
+    tolerance: Tolerance,
+) -> list[Failure]:
+    """The failures of every mode, at every order up to `order`, in that order."""
+    failures: list[Failure] = []
+    for mode in modes:
+        rng = np.random.default_rng(seed)
+        function: Function = problem.evaluate
+        described = ""
+        for level in range(1, order + 1):
+            check = DerivativeCheck(problem, function, rngs, mode, described, tolerance)
+            failures += check.run(rng)
+            if level < order:
+                function = projected_gradient(function, problem.xs, mode, rng)
+                described += f" (order {level + 1}: the derivative of <grad, w>)"
+    return failures
+
+
+def _report(failures: list[Failure]) -> str:
     """The message: wrong derivatives first, then the arrays at a non-differentiable point."""
     kinks = dict.fromkeys(f.name for f in failures if f.kink)
     # An array is at a kink if any check of it (any mode, any order) says so.
@@ -253,492 +247,8 @@ def _report(failures: list[_Failure]) -> str:
     return "\n".join(parts)
 
 
-Function = Callable[[list, list, Any], tuple[jax.Array, jax.Array]]
-"""``f(xs, rest, rngs) -> (value, scale)``: a scalar of the checked arrays `xs` and its
-rounding scale; `rest` holds the arrays held fixed."""
-
-
-class _Problem:
-    """The model's call as a function of the checked arrays, the rest held fixed."""
-
-    def __init__(
-        self,
-        apply: Callable[..., Any],
-        flat: dict[tuple[str, ...], Any],
-        chosen: set[tuple[str, ...]],
-        args: tuple,
-        inputs: bool | Sequence[int],
-        kwargs: dict[str, Any],
-    ):
-        self.apply, self.kwargs = apply, kwargs
-        self.keys = sorted(flat)
-        arg_leaves, self.arg_def = jax.tree_util.tree_flatten_with_path(args)
-        positions = _positions(inputs, len(args))
-        self.leaves: list[_Leaf] = []
-        for key in self.keys:
-            if key in chosen and _is_float_array(flat[key], python_scalars=True):
-                self.leaves.append(_Leaf("/".join(key), jnp.asarray(flat[key]), key, -1))
-        for j, (path, leaf) in enumerate(arg_leaves):
-            position = path[0].idx
-            if position in positions and _is_float_array(leaf, python_scalars=False):
-                name = f"inputs[{position}]{jax.tree_util.keystr(path[1:])}"
-                self.leaves.append(_Leaf(name, jnp.asarray(leaf), None, j))
-        if not self.leaves:
-            raise ValueError(_nothing_to_check(flat, chosen, args, positions))
-        checked_vars = {leaf.variable for leaf in self.leaves}
-        checked_args = {leaf.position for leaf in self.leaves if leaf.variable is None}
-        self.fixed_keys = [key for key in self.keys if key not in checked_vars]
-        self.arg_values = [leaf for _, leaf in arg_leaves]
-        # Arrays held fixed travel as arguments (not as constants baked into the program);
-        # other leaves of the inputs (Python numbers, strings) stay as they are.
-        self.rest_args = [
-            j
-            for j, leaf in enumerate(self.arg_values)
-            if j not in checked_args and isinstance(leaf, _ARRAYS)
-        ]
-        self.xs = [leaf.value for leaf in self.leaves]
-        self.rest = [flat[key] for key in self.fixed_keys] + [
-            self.arg_values[j] for j in self.rest_args
-        ]
-        self.loss: Callable[[Any], tuple[jax.Array, jax.Array]] | None = None
-
-    def outputs(self, xs: list, rest: list, rngs: Any) -> Any:
-        """The model's outputs, given the checked arrays `xs` and the fixed ones `rest`."""
-        values = dict(zip(self.fixed_keys, rest[: len(self.fixed_keys)], strict=True))
-        arg_values = list(self.arg_values)
-        for j, x in zip(self.rest_args, rest[len(self.fixed_keys) :], strict=True):
-            arg_values[j] = x
-        for leaf, x in zip(self.leaves, xs, strict=True):
-            if leaf.variable is None:
-                arg_values[leaf.position] = x
-            else:
-                values[leaf.variable] = x
-        call_args = jax.tree.unflatten(self.arg_def, arg_values)
-        outputs, _ = self.apply(nest(values.items()), rngs, *call_args, **self.kwargs)
-        return outputs
-
-    def evaluate(self, xs: list, rest: list, rngs: Any) -> tuple[jax.Array, jax.Array]:
-        """The loss and its rounding scale."""
-        assert self.loss is not None
-        return self.loss(self.outputs(xs, rest, rngs))
-
-
-_ARRAYS = (jax.Array, np.ndarray, np.generic)
-
-
-def _is_float_array(leaf: Any, python_scalars: bool) -> bool:
-    if isinstance(leaf, _ARRAYS):
-        return bool(jnp.issubdtype(leaf.dtype, jnp.floating))
-    return python_scalars and isinstance(leaf, float)
-
-
-class _Check:
-    """One order of derivatives of `function`, in one mode, for each checked array.
-
-    One compiled program serves the finite differences and the derivatives: for small models
-    compiling dominates, and the derivative it computes on the side costs little.
-    """
-
-    def __init__(
-        self,
-        problem: _Problem,
-        function: Function,
-        rngs: Any,
-        mode: str,
-        described: str,
-        tolerance: _Tolerance,
-    ):
-        self.problem, self.rngs, self.mode, self.described = problem, rngs, mode, described
-        self.tolerance = tolerance
-        if mode == "rev":
-            self.program = jax.jit(jax.value_and_grad(function, has_aux=True))
-        else:
-            self.program = jax.jit(
-                lambda xs, ts, rest, rngs: jax.jvp(
-                    lambda xs: function(xs, rest, rngs), (xs,), (ts,)
-                )
-            )
-            self.zeros = [jnp.zeros_like(x) for x in problem.xs]
-
-    def evaluate(self, xs: list, tangents: list | None = None) -> tuple[float, float, Any]:
-        """``(value, scale, derivative)``: the gradient (rev), or along `tangents` (fwd)."""
-        rest, rngs = self.problem.rest, self.rngs
-        if self.mode == "rev":
-            (value, scale), grads = self.program(xs, rest, rngs)
-            return float(value), float(scale), grads
-        (value, scale), (derivative, _) = self.program(
-            xs, self.zeros if tangents is None else tangents, rest, rngs
-        )
-        return float(value), float(scale), derivative
-
-    def run(self, rng: np.random.Generator) -> list[_Failure]:
-        """The failures: one for each array whose derivative disagrees.
-
-        An array is reported as not differentiable here when along any direction its
-        one-sided slopes disagree (`_compare`): finite differences then mean nothing there,
-        along the other direction too.
-        """
-        xs = self.problem.xs
-        self.value: float | None = None  # the loss at xs: the one-sided differences' centre
-        if self.mode == "rev":
-            self.value, _, grads = self.evaluate(xs)
-            grads = [np.asarray(g, np.float64) for g in grads]
-        failures = []
-        for i, leaf in enumerate(self.problem.leaves):
-            x = np.asarray(xs[i])
-            gradient = grads[i] if self.mode == "rev" else None
-            worst: tuple[bool, float, str] | None = None
-            for direction, along in _directions(rng, x.shape, gradient):
-                result = self._compare(i, x, direction, gradient)
-                if result is not None:
-                    found = (result[0], result[1], f"along {along} {result[2]}")
-                    if worst is None or found[:2] > worst[:2]:
-                        worst = found
-            if worst is not None:
-                line = f"{leaf.name}{self.described}: {worst[2]}"
-                failures.append(_Failure(leaf.name, line, kink=worst[0]))
-        return failures
-
-    def _compare(
-        self, i: int, x: np.ndarray, direction: np.ndarray, gradient: np.ndarray | None
-    ) -> tuple[bool, float, str] | None:
-        """None if the derivatives along `direction` agree, else (kink, how far off, message).
-
-        `gradient` is the autodiff gradient of array `i` (rev); fwd computes a JVP instead.
-        When they disagree, the one-sided slopes tell a point where the loss is not
-        differentiable along `direction` (`kink`: they differ) from a wrong derivative at a
-        smooth point (they agree with each other and with the central difference); they reuse
-        the evaluations made, so a passing check costs nothing more.
-        """
-        xs = self.problem.xs
-        rms = math.sqrt(float(np.mean(np.square(x, dtype=np.float64)))) if x.size else 0.0
-        allowed = self.tolerance
-        step = allowed.eps * max(1.0, rms)
-        # Richardson extrapolation: (4 D(h) - D(2h)) / 3 cancels the h**2 error of D(h)
-        narrow = self._central_difference(i, x, direction, step)
-        wide = self._central_difference(i, x, direction, 2 * step)
-        numerical = (4 * narrow.slope - wide.slope) / 3
-        taken = (4 * narrow.taken - wide.taken) / 3
-        scale = max(narrow.scale, wide.scale)
-        if gradient is not None:
-            autodiff = float(np.sum(gradient * taken))
-        else:
-            tangent = jnp.asarray(taken, x.dtype)
-            self.value, _, derivative = self.evaluate(xs, _replace(self.zeros, i, tangent))
-            autodiff = float(derivative)
-        tolerance = allowed.atol * scale + allowed.rtol * abs(numerical)
-        difference = abs(autodiff - numerical)
-        if difference <= tolerance:
-            return None
-        off = (
-            math.inf if tolerance == 0 or not math.isfinite(difference) else difference / tolerance
-        )
-        assert self.value is not None
-        # One-sided differences from L(x), Richardson-extrapolated: (4 L(x + h v) - L(x + 2h v)
-        # - 3 L(x)) / 2h and its mirror. Both are f' + O(h**2) with the same h**2 term, so at a
-        # smooth point they differ by O(h**3) and rounding; across a kink they differ by its
-        # jump. A wrong derivative at a smooth point leaves them together, |above - below|
-        # below the disagreement |autodiff - numerical|; a kink that autodiff resolves to one
-        # side puts them twice that apart, and a jump (a switch) further still.
-        centre = self.value
-        above = (4 * narrow.upper - wide.upper - 3 * centre) / (2 * step)
-        below = (3 * centre - 4 * narrow.lower + wide.lower) / (2 * step)
-        gap = abs(above - below)
-        # The gap's own rounding error: the six evaluations' weights add up to 8 / h.
-        rounding = 8 * float(jnp.finfo(allowed.dtype).eps) * scale / step
-        limit = max(tolerance, difference, rounding)
-        slopes = (
-            f"the slope is {above:.6g} from above (x + h v) and {below:.6g} from below "
-            f"(x - h v) by one-sided finite differences"
-        )
-        steps = f"(step h {step:.3g}, eps {allowed.eps:g})"
-        if not gap <= limit:  # NaN included: nothing is smooth there
-            apart = gap / limit if math.isfinite(gap) else math.inf
-            message = (
-                f"{slopes}; they differ by {gap:.3g}, more than autodiff ({self.mode}: "
-                f"{autodiff:.6g}) differs from the central difference ({numerical:.6g}) {steps}"
-            )
-            return True, apart, message
-        # The slopes agree, and autodiff with them, but not the central difference: its error
-        # is of order h (not h**4), a derivative of the model jumps within 2h of the point.
-        mean = (above + below) / 2
-        if abs(numerical - mean) > max(abs(autodiff - mean), rounding / 2):
-            message = (
-                f"{slopes}, as by autodiff ({self.mode}: {autodiff:.6g}), but {numerical:.6g} "
-                f"by central differences: the model's derivative looks non-differentiable "
-                f"here {steps}"
-            )
-            return True, off, message
-        message = (
-            f"the derivative is {autodiff:.6g} by autodiff ({self.mode}) and {numerical:.6g} by "
-            f"finite differences; difference {difference:.3g} > tolerance {tolerance:.3g} "
-            f"({allowed.dtype}: atol {allowed.atol:g} x scale {scale:.3g} + rtol "
-            f"{allowed.rtol:g} x |numerical|; eps {allowed.eps:g})"
-        )
-        return False, off, message
-
-    def _central_difference(
-        self, i: int, x: np.ndarray, direction: np.ndarray, step: float
-    ) -> _Difference:
-        """The central difference with step `step`, and what went into it.
-
-        The step taken is ``x + h v`` minus ``x - h v`` after rounding to x's dtype: the
-        derivative is compared along it, not along the `v` asked for.
-        """
-        xs = self.problem.xs
-        plus = np.asarray(x + step * direction, x.dtype)
-        minus = np.asarray(x - step * direction, x.dtype)
-        taken = (plus.astype(np.float64) - minus.astype(np.float64)) / (2 * step)
-        upper, upper_scale, _ = self.evaluate(_replace(xs, i, jnp.asarray(plus)))
-        lower, lower_scale, _ = self.evaluate(_replace(xs, i, jnp.asarray(minus)))
-        slope = (upper - lower) / (2 * step)
-        return _Difference(slope, taken, max(upper_scale, lower_scale), upper, lower)
-
-
-class _Difference(NamedTuple):
-    """A central difference ``(L(x + h v) - L(x - h v)) / 2h`` and its parts."""
-
-    slope: float
-    taken: np.ndarray  # the step taken (after rounding to x's dtype) over 2h
-    scale: float  # the loss's rounding scale, the larger of the two evaluations'
-    upper: float  # L(x + h v)
-    lower: float  # L(x - h v)
-
-
-class _Failure(NamedTuple):
-    """An array whose derivative disagrees, and the line that says how."""
-
-    name: str
-    line: str
-    kink: bool  # its one-sided slopes disagree: it looks non-differentiable here
-
-
-def _directions(
-    rng: np.random.Generator, shape: tuple[int, ...], gradient: np.ndarray | None
-) -> list[tuple[np.ndarray, str]]:
-    """Two directions to differentiate along, with how messages describe them.
-
-    With the autodiff gradient `g` at hand (rev): `g` itself (scaled to a random vector's
-    norm), where a wrong scale or sign of `g` shows most, and a random direction orthogonal
-    to `g`, where a part `g` misses shows. Otherwise two random directions.
-    """
-    random = rng.standard_normal(shape)
-    other = rng.standard_normal(shape)
-    norm = float(np.linalg.norm(gradient)) if gradient is not None else 0.0
-    if gradient is None or norm == 0 or not math.isfinite(norm):
-        return [(random, "a random direction"), (other, "another random direction")]
-    unit = gradient / norm
-    directions = [(unit * float(np.linalg.norm(random)), "the autodiff gradient")]
-    orthogonal = random - np.sum(random * unit) * unit
-    if np.linalg.norm(orthogonal) > 1e-6 * np.linalg.norm(random):
-        directions.append((orthogonal, "a random direction orthogonal to it"))
-    return directions
-
-
-def _projected_gradient(
-    function: Function, xs: list, mode: str, rng: np.random.Generator
-) -> Function:
-    """``<grad function, w>`` for a fixed random `w`: its derivatives are second derivatives."""
-    ws = [
-        jnp.asarray(rng.standard_normal(np.shape(x)) / math.sqrt(max(1, np.size(x))), x.dtype)
-        for x in xs
-    ]
-
-    def projected(xs: list, rest: list, rngs: Any) -> tuple[jax.Array, jax.Array]:
-        if mode == "rev":
-            grads, scale = jax.grad(lambda xs: function(xs, rest, rngs), has_aux=True)(xs)
-            total = _total(g * w for g, w in zip(grads, ws, strict=True))
-        else:
-            (_, scale), (total, _) = jax.jvp(lambda xs: function(xs, rest, rngs), (xs,), (ws,))
-        return total, jax.lax.stop_gradient(jnp.maximum(scale, jnp.abs(total)))
-
-    return projected
-
-
-def _total(arrays: Iterable[jax.Array]) -> jax.Array:
-    """The sum of every element of every array."""
-    return jnp.sum(jnp.stack([jnp.sum(a) for a in arrays]))
-
-
-def _replace(xs: list, i: int, x: Any) -> list:
-    return [*xs[:i], x, *xs[i + 1 :]]
-
-
-def _default_loss(outputs: Any, seed: int) -> Callable[[Any], tuple[jax.Array, jax.Array]]:
-    """``sum(w * y)`` over the float outputs `y` (fixed normal `w`), and its scale ``sum|w y|``."""
-    shapes = jax.tree.leaves(outputs)
-    floats = [i for i, s in enumerate(shapes) if jnp.issubdtype(s.dtype, jnp.floating)]
-    if not floats:
-        described = ", ".join(f"{s.dtype}{list(s.shape)}" for s in shapes) or "no arrays"
-        raise ValueError(
-            f"lm.check_gradients: the model's outputs hold no floating-point array "
-            f"({described}), so the default loss (a random projection of the float outputs) "
-            f"has nothing to project. Pass loss=, a function of the outputs returning a float "
-            f"scalar."
-        )
-    rng = np.random.default_rng(seed)
-    size = sum(int(np.prod(shapes[i].shape)) for i in floats)
-    weights = {i: rng.standard_normal(shapes[i].shape) / math.sqrt(max(1, size)) for i in floats}
-
-    def loss(outputs: Any) -> tuple[jax.Array, jax.Array]:
-        terms = []
-        for i, y in enumerate(jax.tree.leaves(outputs)):
-            if i in weights:
-                if jnp.finfo(y.dtype).bits < 32:  # sum 16-bit outputs in float32
-                    y = y.astype(jnp.float32)
-                terms.append(y * jnp.asarray(weights[i], y.dtype))
-        return _total(terms), jax.lax.stop_gradient(_total(jnp.abs(t) for t in terms))
-
-    return loss
-
-
-def _user_loss(loss: Callable[[Any], Any]) -> Callable[[Any], tuple[jax.Array, jax.Array]]:
-    if not callable(loss):
-        raise TypeError(
-            f"lm.check_gradients: loss must be a function of the model's outputs returning a "
-            f"float scalar; got {type(loss).__name__} {loss!r:.60}."
-        )
-
-    def scalar_loss(outputs: Any) -> tuple[jax.Array, jax.Array]:
-        value = loss(outputs)
-        shape, dtype = jnp.shape(value), jnp.result_type(value)
-        if shape != () or not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(
-                f"lm.check_gradients: loss must return a float scalar; it returned "
-                f"{type(value).__name__} of shape {shape} and dtype {dtype}. Reduce it, e.g. "
-                f"jnp.sum(...), and cast integer results to float."
-            )
-        value = jnp.asarray(value)
-        return value, jax.lax.stop_gradient(jnp.maximum(1.0, jnp.abs(value)))
-
-    return scalar_loss
-
-
-class _Tolerance(NamedTuple):
-    """The step and tolerances, and the working dtype they were chosen for."""
-
-    dtype: str
-    eps: float
-    atol: float
-    rtol: float
-
-    @classmethod
-    def of(cls, xs: list, outputs: Any, given: dict[str, float | None]) -> _Tolerance:
-        """The working dtype's defaults, where `given` (eps, atol, rtol) holds None."""
-        dtype = _working_dtype(xs, outputs)
-        defaults = dict(zip(("eps", "atol", "rtol"), _DEFAULTS[dtype], strict=True))
-        chosen = {k: defaults[k] if (v := given[k]) is None else float(v) for k in defaults}
-        return cls(dtype, **chosen)
-
-
-def _working_dtype(xs: list, outputs: Any) -> str:
-    """The least precise float dtype among the checked arrays and the float outputs."""
-    dtypes = [jnp.dtype(x.dtype) for x in xs]
-    dtypes += [
-        jnp.dtype(o.dtype)
-        for o in jax.tree.leaves(outputs)
-        if jnp.issubdtype(o.dtype, jnp.floating)
-    ]
-    worst = max(dtypes, key=lambda d: float(jnp.finfo(d).eps))
-    if worst.name in _DEFAULTS:
-        return worst.name
-    return "bfloat16" if jnp.finfo(worst).eps > jnp.finfo(jnp.float16).eps else "float16"
-
-
-def _selected(flat: dict[tuple[str, ...], Any], wrt: Selection) -> set[tuple[str, ...]]:
-    """The keys of the variables `wrt` selects (float or not)."""
-    if wrt is None:
-        return set()
-    if isinstance(wrt, Mapping):
-        return _masked(flat, wrt)
-    names = [wrt] if isinstance(wrt, str) else wrt
-    if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
-        raise TypeError(
-            f"lm.check_gradients: wrt is a collection name ('params'), a sequence of them, a "
-            f"tree of booleans (lm.mask(model, variables, filter)) or None; got {wrt!r:.80}."
-        )
-    collections = sorted({key[0] for key in flat})
-    missing = [name for name in names if name not in collections]
-    if missing and flat:
-        close = [c for name in missing for c in difflib.get_close_matches(name, collections, n=1)]
-        hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
-        raise ValueError(
-            f"lm.check_gradients: wrt names {format_list(map(repr, missing))}, which the "
-            f"variables do not hold; they hold {', '.join(map(repr, collections))}.{hint}"
-        )
-    return {key for key in flat if key[0] in names}
-
-
-def _masked(flat: dict[tuple[str, ...], Any], mask: Mapping[str, Any]) -> set[tuple[str, ...]]:
-    """The keys a boolean mask selects; a mask leaf may stand for a whole group."""
-    flags = flatten_variables(mask, "lm.check_gradients's wrt mask")
-    chosen = set()
-    for prefix, flag in flags.items():
-        if not isinstance(flag, (bool, np.bool_)) and not (
-            isinstance(flag, _ARRAYS) and flag.shape == () and flag.dtype == bool
-        ):
-            raise TypeError(
-                f"lm.check_gradients: the wrt mask holds {type(flag).__name__} {flag!r:.40} at "
-                f"{'/'.join(prefix)}; a mask holds booleans (lm.mask(model, variables, filter))."
-            )
-        below = [key for key in flat if key[: len(prefix)] == prefix]
-        if not below:
-            raise ValueError(
-                f"lm.check_gradients: the wrt mask names {'/'.join(prefix)}, which the "
-                f"variables do not hold. Build the mask from the same variables: "
-                f"lm.mask(model, variables, filter)."
-            )
-        if flag:
-            chosen.update(below)
-    return chosen
-
-
-def _positions(inputs: bool | Sequence[int], count: int) -> set[int]:
-    """The positions of the arguments whose float arrays are checked."""
-    if isinstance(inputs, bool):
-        return set(range(count)) if inputs else set()
-    if not isinstance(inputs, Sequence) or not all(
-        isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in inputs
-    ):
-        raise TypeError(
-            f"lm.check_gradients: inputs is True (every float input), False (none) or the "
-            f"positions of the inputs to check, such as (0,); got {inputs!r:.60}."
-        )
-    wrong = [int(i) for i in inputs if not -count <= i < count]
-    if wrong:
-        raise ValueError(
-            f"lm.check_gradients: inputs names position(s) {format_list(map(str, wrong))}, but "
-            f"the model was given {count} positional input(s)."
-        )
-    return {int(i) % count for i in inputs}
-
-
-def _nothing_to_check(
-    flat: dict[tuple[str, ...], Any],
-    chosen: set[tuple[str, ...]],
-    args: tuple,
-    positions: set[int],
-) -> str:
-    chosen_floats = [k for k in chosen if _is_float_array(flat[k], python_scalars=True)]
-    described = (
-        "no variables"
-        if not flat
-        else f"{len(chosen)} selected variable(s), none of them float"
-        if chosen and not chosen_floats
-        else "no variable selected by wrt"
-    )
-    given = (
-        "no inputs" if not args else f"{len(args)} input(s), {len(positions)} selected by inputs"
-    )
-    return (
-        f"lm.check_gradients: nothing to check: {described}, and no float array among the "
-        f"inputs checked ({given}; integer inputs such as token ids are never checked). Select "
-        f"float variables with wrt= (collections: "
-        f"{', '.join(sorted({k[0] for k in flat})) or 'none'}) or float inputs with inputs=."
-    )
-
-
 def _check_modes(modes: str | Sequence[str]) -> tuple[str, ...]:
+    """`modes` as a tuple without repeats; anything but 'rev' and 'fwd' is an error."""
     given = (modes,) if isinstance(modes, str) else modes
     if (
         not isinstance(given, Sequence)
@@ -753,6 +263,7 @@ def _check_modes(modes: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def _check_order(order: int) -> int:
+    """`order`, checked to be an int >= 1."""
     if not isinstance(order, numbers.Integral) or isinstance(order, bool) or order < 1:
         raise ValueError(
             f"lm.check_gradients: order is the highest order of derivatives to check, an int "
@@ -762,12 +273,14 @@ def _check_order(order: int) -> int:
 
 
 def _check_seed(seed: int) -> int:
+    """`seed`, checked to be an int >= 0."""
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < 0:
         raise TypeError(f"lm.check_gradients: seed is an int >= 0; got {seed!r}.")
     return int(seed)
 
 
 def _check_tolerance(name: str, value: float, positive: bool) -> None:
+    """`eps` (> 0), `atol` or `rtol` (>= 0) is a finite number."""
     bound = "> 0" if positive else ">= 0"
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise TypeError(f"lm.check_gradients: {name} is a number {bound}; got {value!r:.40}.")

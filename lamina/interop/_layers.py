@@ -13,9 +13,10 @@ import numpy as np
 
 from ..nn.batch_normalization import BatchNorm
 from ..nn.conv import Conv, ConvTranspose
+from ..nn.group_normalization import GroupNorm, InstanceNorm
+from ..nn.layer_normalization import LayerNorm, RMSNorm
 from ..nn.linear import Dense, Embed
 from ..nn.multi_head_attention import MultiHeadAttention
-from ..nn.norm import GroupNorm, InstanceNorm, LayerNorm, RMSNorm
 from ._registry import Unsupported, register_torch, take
 
 Arrays = Mapping[str, Any]

@@ -17,9 +17,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._core.errors import format_list
+from .._core.checks import format_list
 from .._core.graph import Plan, VariableEntry, walk
 from .._core.module import Module
+from .._core.types import Path
 from .._core.variables import State
 from ..nn.bidirectional import Bidirectional
 from ..nn.combinators import Sequential
@@ -27,7 +28,6 @@ from ..nn.recurrent import RNN
 from ..nn.stack import Stack
 from ._registry import Converter, Tensors, converter_for
 
-Path = tuple[Any, ...]
 Rename = Callable[[str], str | None] | Mapping[str, str | None] | None
 
 _SEQUENTIAL_CHILD = re.compile(r"layers_(\d+)")
@@ -122,32 +122,55 @@ def _is_stacked_rnn(module: Module) -> bool:
 
 def find_targets(plan: Plan) -> tuple[list[Target], list[Unconvertible]]:
     """The model's targets, and the modules whose variables none of them covers."""
-    modules = dict(plan.modules)
-    by_state = {id(entry.state): entry for entry in plan.variables}
-    targets: list[Target] = []
-    covered: set[Path] = set()
-    stacks: dict[Path, Stack] = {}  # by the path of the Stack's block
+    finder = _TargetFinder(plan)
+    targets = finder.targets()
+    _check_distinct_names(targets)
+    return targets, _unconvertible(plan, finder.modules, targets)
 
-    def add(path: Path, module: Module, prefix: str, layer: int | None) -> None:
+
+class _TargetFinder:
+    """Walks a plan's modules, outermost first, and makes a `Target` of each converted one."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.modules = dict(plan.modules)
+        self.by_state = {id(entry.state): entry for entry in plan.variables}
+        self.stacks: dict[Path, Stack] = {}  # by the path of the Stack's block
+
+    def targets(self) -> list[Target]:
+        """The targets: modules with a converter, and the layers of a multi-layer RNN."""
+        targets: list[Target] = []
+        covered: set[Path] = set()
+        for path, module in self.plan.modules:
+            if any(path[:depth] in covered for depth in range(len(path))):
+                continue
+            prefix = torch_prefix(path, self.modules)
+            if converter_for(module) is not None:
+                targets.append(self._target(path, module, prefix, None))
+                covered.add(path)
+            elif isinstance(module, Sequential) and _is_stacked_rnn(module):
+                for k, layer in enumerate(module.layers):
+                    assert isinstance(layer, Module)  # an RNN or a Bidirectional
+                    layer_path = (*path, f"layers_{k}")
+                    targets.append(self._target(layer_path, layer, prefix, k))
+                    covered.add(layer_path)
+                covered.add(path)
+            elif isinstance(module, Stack):
+                self.stacks[(*path, "block")] = module
+        return targets
+
+    def _target(self, path: Path, module: Module, prefix: str, layer: int | None) -> Target:
+        """The target of `module` at `path`; leading axes other than a Stack's are an error."""
         converter = converter_for(module)
         assert converter is not None
         variables = {
-            "/".join(str(k) for k in local): by_state[id(node)]
-            for local, node in walk(module)
+            "/".join(str(k) for k in local): self.by_state[id(node)]
+            for local, node, _ in walk(module)
             if isinstance(node, State)
         }
-        block = next((path[:d] for d in range(len(path), 0, -1) if path[:d] in stacks), None)
-        prefixes: tuple[str, ...] = (prefix,)
-        if block is not None:
-            # Copy i of a Stack at "h" is PyTorch's "h.<i>" (a ModuleList): the names below
-            # the stack's block follow the copy's index.
-            stack_prefix, below_block = torch_prefix(block[:-1], modules), prefix
-            below_block = below_block[len(torch_prefix(block, modules)) :]
-            prefixes = tuple(
-                f"{stack_prefix}.{i}{below_block}" if stack_prefix else f"{i}{below_block}"
-                for i in range(stacks[block].n)
-            )
-        axes = () if block is None else (stacks[block].n,)
+        block = next((path[:d] for d in range(len(path), 0, -1) if path[:d] in self.stacks), None)
+        prefixes = (prefix,) if block is None else self._copy_prefixes(block, prefix)
+        axes = () if block is None else (self.stacks[block].n,)
         wrong = [e.name for e in variables.values() if e.axes != axes]
         if wrong:
             raise TypeError(
@@ -157,24 +180,24 @@ def find_targets(plan: Plan) -> tuple[list[Target], list[Unconvertible]]:
                 f"Stack). Convert a model with one layer per copy and stack the arrays with "
                 f"jnp.stack, or register a converter for the enclosing module."
             )
-        targets.append(
-            Target(path, module, converter, prefixes, block is not None, layer, variables)
-        )
-        covered.add(path)
+        return Target(path, module, converter, prefixes, block is not None, layer, variables)
 
-    for path, module in plan.modules:
-        if any(path[:depth] in covered for depth in range(len(path))):
-            continue
-        prefix = torch_prefix(path, modules)
-        if converter_for(module) is not None:
-            add(path, module, prefix, None)
-        elif isinstance(module, Sequential) and _is_stacked_rnn(module):
-            for k, layer in enumerate(module.layers):
-                assert isinstance(layer, Module)  # an RNN or a Bidirectional
-                add((*path, f"layers_{k}"), layer, prefix, k)
-            covered.add(path)
-        elif isinstance(module, Stack):
-            stacks[(*path, "block")] = module
+    def _copy_prefixes(self, block: Path, prefix: str) -> tuple[str, ...]:
+        """The PyTorch names of a module below a Stack's `block`, one per copy.
+
+        Copy i of a Stack at "h" is PyTorch's "h.<i>" (a ModuleList): the names below the
+        stack's block follow the copy's index.
+        """
+        stack_prefix = torch_prefix(block[:-1], self.modules)
+        below_block = prefix[len(torch_prefix(block, self.modules)) :]
+        return tuple(
+            f"{stack_prefix}.{i}{below_block}" if stack_prefix else f"{i}{below_block}"
+            for i in range(self.stacks[block].n)
+        )
+
+
+def _check_distinct_names(targets: list[Target]) -> None:
+    """No two targets read and write the same PyTorch names."""
     seen: dict[tuple[tuple[str, ...], int | None], Path] = {}
     for target in targets:
         other = seen.setdefault((target.prefixes, target.layer), target.path)
@@ -185,6 +208,12 @@ def find_targets(plan: Plan) -> tuple[list[Target], list[Unconvertible]]:
                 f"names '{target.prefixes[0]}.*': a dict key that contains '.' reads like a "
                 f"nested name (PyTorch refuses such keys). Rename the key."
             )
+
+
+def _unconvertible(
+    plan: Plan, modules: dict[Path, Module], targets: list[Target]
+) -> list[Unconvertible]:
+    """The modules holding declared variables that no target covers, each with their names."""
     done = {id(entry.state) for target in targets for entry in target.variables.values()}
     unconvertible: dict[Path, list[str]] = {}
     for entry in plan.declared:
@@ -192,7 +221,7 @@ def find_targets(plan: Plan) -> tuple[list[Target], list[Unconvertible]]:
             continue
         owner = max((p for p in modules if entry.path[: len(p)] == p), key=len)
         unconvertible.setdefault(owner, []).append(entry.name)
-    return targets, [Unconvertible(p, modules[p], tuple(v)) for p, v in unconvertible.items()]
+    return [Unconvertible(p, modules[p], tuple(v)) for p, v in unconvertible.items()]
 
 
 def renamer(rename: Rename, inverse: bool) -> tuple[Callable[[str], str | None], set[str]]:

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from ..nn.bidirectional import Bidirectional
-from ..nn.cells import GRUCell, LSTMCell
+from ..nn.gru_cells import GRUCell
+from ..nn.lstm_cells import LSTMCell
 from ..nn.recurrent import RNN
 from ._registry import Unsupported, below, prefixed, register_torch, take
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .._core.module import Module
+from .._core.types import Shape
 
 ToLamina = Callable[[Any, Mapping[str, np.ndarray]], Mapping[str, Any]]
 ToTorch = Callable[[Any, Mapping[str, np.ndarray]], Mapping[str, Any]]
@@ -112,7 +113,7 @@ class MissingTensor(KeyError):
 class ShapeMismatch(ValueError):
     """A torch tensor whose shape does not fit the layer (`take`)."""
 
-    def __init__(self, name: str, got: tuple[int, ...], expected: tuple[int, ...], layout: str):
+    def __init__(self, name: str, got: Shape, expected: Shape, layout: str):
         super().__init__(name)
         self.name, self.got, self.expected, self.layout = name, got, expected, layout
 
@@ -171,7 +172,7 @@ class Tensors(Mapping[str, np.ndarray]):
         return sum(1 for _ in self)
 
 
-def take(tensors: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...], layout: str) -> Any:
+def take(tensors: Mapping[str, np.ndarray], name: str, shape: Shape, layout: str) -> Any:
     """``tensors[name]``, checked to have `shape` (`layout` says what the axes are)."""
     array = tensors[name]
     if tuple(array.shape) != tuple(shape):

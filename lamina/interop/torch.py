@@ -15,18 +15,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.errors import VariablesError, check_flags, format_list
+from .._core.checks import flags, format_list, narrowing_damage
+from .._core.errors import VariablesError
 from .._core.graph import Plan, VariableEntry
 from .._core.layout import check_variables, flatten_variables, nest
-from .._core.variables import Cache, narrowing_damage
-from . import _arrays, _layers, _recurrent
+from .._core.types import Variables
+from .._core.variables import Cache
+from ._arrays import import_torch, to_numpy, to_tensor
+from ._layers import register as register_layers
 from ._naming import Rename, Target, Unconvertible, find_targets, renamer
+from ._recurrent import register as register_recurrent_layers
 from ._registry import MissingTensor, ShapeMismatch, Tensors, Unsupported
 
 __all__ = ["from_torch", "to_torch"]
 
-_layers.register()
-_recurrent.register()
+register_layers()  # the built-in converters
+register_recurrent_layers()
 
 _NAMING = (
     "A layer at the lamina path encoder/layers/0 reads the torch names 'encoder.layers.0.*' "
@@ -38,7 +42,7 @@ _NAMING = (
 
 def from_torch(
     model: Any, state_dict: Mapping[str, Any], *, rename: Rename = None, strict: bool = True
-) -> dict[str, Any]:
+) -> Variables:
     """The lamina variables of `model` from a PyTorch ``state_dict`` (kernels transposed).
 
     Each converted layer of `model` (``Dense``, ``Conv``, ``ConvTranspose``, ``Embed``, the
@@ -87,7 +91,7 @@ def from_torch(
         >>> variables["params"]["layers_0"]["kernel"].shape  # Linear's weight, transposed
         (3, 4)
     """
-    check_flags("lm.from_torch", strict=strict)
+    flags("lm.from_torch", strict=strict)
     plan = Plan(model)
     targets, unconvertible = find_targets(plan)
     _refuse_unconvertible("from_torch", unconvertible)
@@ -123,7 +127,7 @@ def from_torch(
     )
 
 
-def to_torch(model: Any, variables: Mapping[str, Any], *, rename: Rename = None) -> dict[str, Any]:
+def to_torch(model: Any, variables: Variables, *, rename: Rename = None) -> dict[str, Any]:
     """A PyTorch ``state_dict`` from `model`'s lamina variables: `from_torch`'s inverse.
 
     Names follow `from_torch`'s default naming. LSTM and GRU biases that lamina holds summed
@@ -158,7 +162,7 @@ def to_torch(model: Any, variables: Mapping[str, Any], *, rename: Rename = None)
         >>> {name: tuple(t.shape) for name, t in state_dict.items()}
         {'weight': (2, 3), 'bias': (2,)}
     """
-    _arrays.import_torch()
+    import_torch()
     plan = Plan(model)
     targets, unconvertible = find_targets(plan)
     _refuse_unconvertible("to_torch", unconvertible)
@@ -202,7 +206,7 @@ def to_torch(model: Any, variables: Mapping[str, Any], *, rename: Rename = None)
                         f"{name!r}; each entry needs its own name."
                     )
                 origin[name] = full
-                state_dict[name] = _arrays.to_tensor(array)
+                state_dict[name] = to_tensor(array)
     if unsupported:
         raise TypeError(
             f"lm.to_torch cannot export {len(unsupported)} layer(s): "
@@ -326,7 +330,7 @@ def _renamed_state_dict(
                 f"lm.from_torch: rename maps both {origin[new]!r} and {name!r} to {new!r}; "
                 f"each entry needs its own name (drop one with None)."
             )
-        arrays[new], origin[new] = _arrays.to_numpy(value, name), name
+        arrays[new], origin[new] = to_numpy(value, name), name
     return arrays, origin, used_prefixes
 
 
@@ -364,9 +368,7 @@ def _convert(
             return None
         read |= tensors.read
         used |= tensors.read
-        copies.append(
-            {k: _arrays.to_numpy(a, k) for k, a in _checked_names(target, produced).items()}
-        )
+        copies.append({k: to_numpy(a, k) for k, a in _checked_names(target, produced).items()})
     sources = ", ".join(repr(origin[k]) for k in sorted(used)) or "no tensors"
     if not target.stacked:
         return {local: (array, sources) for local, array in copies[0].items()}

@@ -27,6 +27,8 @@ from typing import IO
 import jax.numpy as jnp
 import numpy as np
 
+from .._core.types import Shape
+
 # The format's dtype codes and the NumPy (ml_dtypes) types they hold: every type both the
 # format and JAX know, in the order of the package's `Dtype` enum (which orders the data).
 # `tests/test_checkpoint.py` checks this table against the package's own
@@ -72,7 +74,7 @@ class TensorInfo:
 
     name: str
     code: str
-    shape: tuple[int, ...]
+    shape: Shape
     begin: int  # byte offset from the start of the data section
     end: int
 
@@ -82,7 +84,7 @@ class TensorInfo:
         return DTYPES[self.code].newbyteorder("<")
 
 
-def checksum_seed(code: str, shape: tuple[int, ...]) -> int:
+def checksum_seed(code: str, shape: Shape) -> int:
     """The CRC-32 a tensor's checksum starts from: its type code and shape.
 
     So a header edit that reinterprets the same bytes (``F32`` read as ``I32``, a shape
@@ -106,7 +108,7 @@ def unsupported_dtype_hint(dtype: np.dtype) -> str:
 
 
 def layout(
-    tensors: Sequence[tuple[str, np.dtype, tuple[int, ...]]], metadata: Mapping[str, str]
+    tensors: Sequence[tuple[str, np.dtype, Shape]], metadata: Mapping[str, str]
 ) -> tuple[bytes, list[TensorInfo]]:
     """Places tensors in a file: the header's bytes (length prefix included) and the offsets.
 

@@ -19,10 +19,12 @@ import jax
 import numpy as np
 import safetensors
 
-from .._core.errors import CheckpointError, VariablesError, check_flags, format_list
+from .._core.checks import flags, format_list
+from .._core.errors import CheckpointError, VariablesError
 from .._core.graph import FlatKey, Plan
 from .._core.layout import check_variables, nest
 from .._core.module import Module
+from .._core.types import Dtype, Shape
 from ._format import (
     CHECKSUMS_KEY,
     DTYPES,
@@ -106,7 +108,7 @@ def load(
         >>> folder.cleanup()
     """
     path = as_path(path, "lm.load")
-    check_flags("lm.load", verify=verify)
+    flags("lm.load", verify=verify)
     if model is not None and like is not None:
         raise TypeError(
             "lm.load takes a model or like=, not both: like= restores any structure, and "
@@ -171,9 +173,9 @@ def _open_regular(path: str) -> IO[bytes]:
     if os.path.isdir(path):
         raise IsADirectoryError(f"lm.load: {path} is a folder, not a safetensors file")
     # O_NONBLOCK: opening a named pipe would otherwise wait for a writer, forever
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    open_flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, open_flags)
     except FileNotFoundError:
         raise FileNotFoundError(f"lm.load: no checkpoint at {path} (no such file)") from None
     mode = os.fstat(fd).st_mode
@@ -341,8 +343,8 @@ def _check_against_plan(
 class _Described(NamedTuple):
     """A tensor of the file as the plan check sees it: its shape and dtype."""
 
-    shape: tuple[int, ...]
-    dtype: Any
+    shape: Shape
+    dtype: Dtype
 
 
 def _check_types(path: str, tensors: list[TensorInfo]) -> None:

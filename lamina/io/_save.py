@@ -20,6 +20,7 @@ import numpy as np
 
 from .._core.errors import CheckpointError, VariablesError
 from .._core.graph import FlatKey
+from .._core.types import Shape
 from ._atomic import atomic_file, pread, pwrite_all, reserve
 from ._format import (
     CHECKSUMS_KEY,
@@ -261,9 +262,7 @@ def _write_runs(fd: int, offset: int, info: TensorInfo, array: Any) -> int:
     return checksum
 
 
-def _runs(
-    shape: tuple[int, ...], index: Any, block: np.ndarray
-) -> Iterator[tuple[int, np.ndarray]]:
+def _runs(shape: Shape, index: Any, block: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
     """``(element offset, contiguous part of block)`` for each run `block` fills in the tensor.
 
     `index` (a shard's index: a tuple of slices, or ``()`` for the whole) places `block` in a

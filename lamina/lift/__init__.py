@@ -1,13 +1,13 @@
 """Lifted transforms: JAX transforms that take modules (vmap, scan, cond, loops, checkpoint)."""
 
-from .lift import Carry as Carry
-from .lift import StateAxes as StateAxes
-from .lift import checkpoint as checkpoint
-from .lift import cond as cond
-from .lift import fori_loop as fori_loop
-from .lift import remat as remat
-from .lift import scan as scan
-from .lift import split_rngs as split_rngs
-from .lift import switch as switch
-from .lift import vmap as vmap
-from .lift import while_loop as while_loop
+from .axes import Carry as Carry
+from .axes import StateAxes as StateAxes
+from .axes import split_rngs as split_rngs
+from .checkpoint import checkpoint as checkpoint
+from .checkpoint import remat as remat
+from .control import cond as cond
+from .control import fori_loop as fori_loop
+from .control import switch as switch
+from .control import while_loop as while_loop
+from .iteration import scan as scan
+from .iteration import vmap as vmap

@@ -1,6 +1,8 @@
-"""The checks that layers run on their settings and inputs, worded the same way everywhere.
+"""The checks that only layers run: read-only settings, windows, paddings, precisions, inputs.
 
-Each check takes `where`, the layer or function as messages name it (``"LSTMCell"``,
+Built on the core's checks (`lamina._core.checks`), which every part of lamina shares and this
+module re-exports, so that a layer reads all of its checks as ``_checks.<name>``. Each check
+takes `where`, the layer or function as messages name it (``"LSTMCell"``,
 ``"Conv(in_size=3, out_size=8, kernel_size=(3, 3))"``), and raises with what was wrong and
 what to do; the checks of settings return the value in its canonical type.
 
@@ -10,29 +12,30 @@ were declared with them, so an edit afterwards could only be ignored or crash in
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._core.variables import as_dtype as _core_as_dtype
-from ..initializers import from_jax
+from .._core.checks import as_dtype as as_dtype
+from .._core.checks import flag as flag
+from .._core.checks import flags as flags
+from .._core.checks import function as function
+from .._core.checks import is_concrete as is_concrete
+from .._core.checks import is_int as is_int
+from .._core.checks import is_real as is_real
+from .._core.checks import non_negative as non_negative
+from .._core.checks import non_negative_int as non_negative_int
+from .._core.checks import positive_int as positive_int
+from .._core.checks import static_flags as static_flags
+from .._core.errors import SettingTypeError as SettingTypeError
+from .._core.initializer import initializer as initializer
+from .._core.types import PrecisionLike
 
 # A padding as the kernels receive it: a name, or one (low, high) pair per spatial axis.
 CanonicalPadding = str | tuple[tuple[int, int], ...]
-
-
-class SettingTypeError(TypeError, ValueError):
-    """A setting of the wrong type where a number is needed (a float size, a string rate).
-
-    Also a `ValueError`, the error a wrong setting raises, so that code catching either one
-    catches it.
-    """
 
 
 class Setting:
@@ -90,143 +93,6 @@ def _read_only_message(obj: Any, name: str, change: str) -> str:
     )
 
 
-def is_int(value: Any) -> bool:
-    """Whether `value` is an integer (Python's or NumPy's), and not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def is_real(value: Any) -> bool:
-    """Whether `value` is a real number (Python's or NumPy's), and not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
-def positive_int(where: str, name: str, value: Any, meaning: str = "") -> int:
-    """Returns `value` as an int; raises unless it is an integer >= 1 (a bool is not).
-
-    Args:
-        where: The layer, as messages name it.
-        name: The setting's name.
-        value: The setting.
-        meaning: Appended to "must be a positive int", e.g. ``", the size of the input's last
-            axis"``.
-    """
-    if not is_int(value) or value < 1:
-        error = ValueError if is_int(value) else SettingTypeError
-        raise error(f"{where}: {name} must be a positive int{meaning}, got {value!r}.")
-    return int(value)
-
-
-def non_negative_int(where: str, name: str, value: Any, meaning: str = "") -> int:
-    """Returns `value` as an int; raises unless it is an integer >= 0 (a bool is not)."""
-    if not is_int(value) or value < 0:
-        error = ValueError if is_int(value) else SettingTypeError
-        raise error(f"{where}: {name} must be a non-negative int{meaning}, got {value!r}.")
-    return int(value)
-
-
-def non_negative(
-    where: str,
-    name: str,
-    value: Any,
-    *,
-    at_most: float | None = None,
-    below: float | None = None,
-    meaning: str = "",
-) -> float:
-    """Returns `value` as a float; raises unless it is a finite real number >= 0 (in bounds).
-
-    A bool is not a number here (``Dropout(True)`` is a mistake, not a rate of 1).
-
-    Args:
-        where: The layer, as messages name it.
-        name: The setting's name.
-        value: The setting.
-        at_most: An upper bound that `value` may equal (``[0, at_most]``).
-        below: An upper bound that `value` must stay under (``[0, below)``).
-        meaning: Appended to the requirement, e.g. ``" (the weight of the old average)"``.
-    """
-    if below is not None:
-        requirement = f"a number in [0, {below:g})"
-    elif at_most is not None:
-        requirement = f"a number in [0, {at_most:g}]"
-    else:
-        requirement = "a finite non-negative number"
-    fits = is_real(value) and math.isfinite(value) and value >= 0
-    fits = fits and (below is None or value < below) and (at_most is None or value <= at_most)
-    if not fits:
-        error = ValueError if is_real(value) else SettingTypeError
-        hint = ""
-        if isinstance(value, str):
-            hint = " (a string is not a number: write 0.5, not '0.5')"
-        elif isinstance(value, (bool, np.bool_)):
-            hint = " (True and False are not numbers here)"
-        raise error(f"{where}: {name} must be {requirement}{meaning}, got {value!r}{hint}.")
-    return float(value)
-
-
-def flag(where: str, name: str, value: Any) -> bool:
-    """Returns `value` as a bool; raises `TypeError` unless it is a bool (Python's or NumPy's).
-
-    For a layer's on/off settings (``use_bias``, ``reverse``...): ``use_bias="False"`` or
-    ``use_bias=0`` would otherwise be read by truthiness.
-    """
-    if not isinstance(value, (bool, np.bool_)):
-        raise SettingTypeError(
-            f"{where}: {name} must be True or False, got {type(value).__name__} {value!r}."
-        )
-    return bool(value)
-
-
-def python_bool(where: str, /, **flags: Any) -> None:
-    """Raises `TypeError` unless every one of `flags` (name=value) is a Python bool.
-
-    The flags of a call (``is_training``, ``decode``...) choose what is computed, so they must
-    be known while tracing: under `jax.jit`, static.
-    """
-    for flag_name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(
-                f"{where}: {flag_name} must be a Python bool, got {type(value).__name__}: it "
-                f"chooses what is computed, so it cannot be a traced value. Under jax.jit, make "
-                f"it static: jax.jit(step, static_argnames='{flag_name}'), or call apply with a "
-                f"literal True/False inside the jitted function."
-            )
-
-
-def as_dtype(where: str, name: str, value: Any) -> np.dtype:
-    """Returns `value` as a NumPy dtype; raises `TypeError` if it names none (None included).
-
-    The same message as the variables' own (``Parameter(..., dtype=...)``).
-    """
-    if value is None:
-        raise TypeError(
-            f"{where}: {name} must be a dtype such as jnp.float32, got None; leave the "
-            f"argument out for the default."
-        )
-    return _core_as_dtype(value, where, name)
-
-
-def initializer(where: str, name: str, value: Any) -> Callable[..., Any]:
-    """Returns `value`; raises `TypeError` unless it is a function ``init(key, shape, dtype)``.
-
-    A closure of `jax.nn.initializers` comes back as the `lm.initializers.Initializer` that
-    calls it (`lm.initializers.from_jax`: same values, and it pickles).
-    """
-    if not callable(value):
-        raise TypeError(
-            f"{where}: {name} must be an initializer, a function init(key, shape, dtype) -> "
-            f"array such as lm.initializers.lecun_normal(); got {value!r}."
-        )
-    return from_jax(value)
-
-
-def function(where: str, name: str, value: Any, example: str) -> Callable[..., Any]:
-    """Returns `value`; raises `TypeError` unless it is callable (an activation, ...)."""
-    if not callable(value):
-        raise TypeError(f"{where}: {name} must be a function such as {example}, got {value!r}.")
-    return value
-
-
 _PRECISION_TYPES: tuple[type, ...] = tuple(
     t
     for t in (
@@ -238,7 +104,7 @@ _PRECISION_TYPES: tuple[type, ...] = tuple(
 )
 
 
-def precision(where: str, value: Any) -> Any:
+def precision(where: str, value: Any) -> PrecisionLike:
     """Returns `value` as `jax.lax` takes it; raises unless it is a precision (or None).
 
     Accepts None, a `jax.lax.Precision` or its name (``"highest"``), a pair of those (one per
@@ -452,8 +318,3 @@ def check_last_axis(
             f"{hint and ' ' + hint}"
         )
     return shape
-
-
-def is_concrete(x: Any) -> bool:
-    """Whether `x` holds known values (not a tracer of `jax.jit`, `vmap`, `grad`...)."""
-    return not isinstance(x, jax.core.Tracer)

@@ -1,7 +1,7 @@
 """A layer's dtypes: the compute dtype it is built with, or inferred from what it computes on.
 
 Every layer takes ``dtype`` (the compute dtype) and ``param_dtype`` (the storage dtype of its
-variables). ``dtype=jnp.float32`` (the default, as in Metoryx and the spec) computes in
+variables). ``dtype=jnp.float32`` (the default, as in Metoryx) computes in
 float32 whatever the inputs; ``dtype=None`` infers it as Flax Linen's ``promote_dtype`` does:
 the promotion of the inputs' and the variables' dtypes (at least a float), so bfloat16 inputs
 and parameters compute in bfloat16 and complex ones in complex. With ``dtype=None`` the
@@ -20,25 +20,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.errors import format_path
-from .._core.variables import as_dtype as _core_as_dtype
+from .._core.checks import as_dtype, format_path
+from .._core.types import Dtype
 
 
-def layer_dtype(where: str, value: Any) -> np.dtype | None:
+def layer_dtype(where: str, value: Dtype) -> np.dtype | None:
     """A layer's `dtype` setting: a floating or complex dtype, or None (inferred per call)."""
     if value is None:
         return None
     return inexact(where, "dtype", value)
 
 
-def inexact(where: str, name: str, value: Any) -> np.dtype:
+def inexact(where: str, name: str, value: Dtype) -> np.dtype:
     """Returns `value` as a floating or complex dtype; raises `TypeError` otherwise."""
-    if value is None:
-        raise TypeError(
-            f"{where}: {name} must be a dtype such as jnp.float32, got None; leave the "
-            f"argument out for the default."
-        )
-    dtype = _core_as_dtype(value, where, name)
+    dtype = as_dtype(where, name, value)
     if not jnp.issubdtype(dtype, jnp.inexact):
         raise TypeError(
             f"{where}: {name} must be a floating or complex dtype such as jnp.float32, "
@@ -48,7 +43,7 @@ def inexact(where: str, name: str, value: Any) -> np.dtype:
     return dtype
 
 
-def storage_dtype(where: str, param_dtype: Any, dtype: np.dtype | None) -> np.dtype:
+def storage_dtype(where: str, param_dtype: Dtype, dtype: np.dtype | None) -> np.dtype:
     """The storage dtype: `param_dtype` checked, else `dtype`, else float32 (`dtype=None`).
 
     A complex storage dtype under a real compute dtype is refused: every read would drop the
@@ -113,7 +108,7 @@ def _promote(dtypes: tuple[np.dtype, ...]) -> np.dtype:
     return np.dtype(result)
 
 
-def _is_complex(dtype: Any) -> bool:
+def _is_complex(dtype: Dtype) -> bool:
     if isinstance(dtype, np.dtype):
         return dtype.kind == "c"  # the same answer as below, without its 1-2 microseconds
     return bool(jnp.issubdtype(dtype, jnp.complexfloating))

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._core.module import Module
-from ..sharding.shardings import result_sharding
-from .._core.variables import Initializer, Parameter
+from .._core.types import Dtype, Initializer, PrecisionLike
+from .._core.variables import Parameter
+from ..sharding.explicit import result_sharding
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "n_batch", "dtype", "precision"))
@@ -29,8 +30,8 @@ def contract(
     bias: jax.Array | None,
     axis: tuple[int, ...],
     n_batch: int,
-    dtype: Any,
-    precision: Any = None,
+    dtype: Dtype,
+    precision: PrecisionLike = None,
 ) -> jax.Array:
     """Linen's ``DenseGeneral``: contracts the `axis` of `x` with `kernel`, plus `bias`.
 
@@ -71,8 +72,8 @@ def dense_general(
     kernel: jax.Array,
     bias: jax.Array | None,
     n_contract: int,
-    dtype: Any,
-    precision: Any = None,
+    dtype: Dtype,
+    precision: PrecisionLike = None,
 ) -> jax.Array:
     """Contracts the last `n_contract` axes of `x` with the first ones of `kernel`, plus bias.
 
@@ -96,7 +97,7 @@ class _Flattened2d:
         self.n_in = n_in
         self.lamina_batchable = getattr(init, "lamina_batchable", False)
 
-    def __call__(self, key: Any, shape: Sequence[int], dtype: Any = jnp.float32) -> jax.Array:
+    def __call__(self, key: Any, shape: Sequence[int], dtype: Dtype = jnp.float32) -> jax.Array:
         shape = tuple(shape)
         flat: tuple[int, ...]
         if self.n_in:
@@ -123,8 +124,8 @@ def declare(
     use_bias: bool,
     kernel_init: Initializer,
     bias_init: Initializer,
-    dtype: Any,
-    param_dtype: Any,
+    dtype: Dtype,
+    param_dtype: Dtype,
     kernel_sharding: tuple[str | None, ...] | None = None,
     bias_sharding: tuple[str | None, ...] | None = None,
 ) -> tuple[Parameter, Parameter | None]:
@@ -153,8 +154,8 @@ class Projection(Module):
         use_bias: bool,
         kernel_init: Initializer,
         bias_init: Initializer,
-        dtype: Any,
-        param_dtype: Any,
+        dtype: Dtype,
+        param_dtype: Dtype,
         kernel_sharding: tuple[str | None, ...] | None = None,
         bias_sharding: tuple[str | None, ...] | None = None,
     ):
@@ -175,3 +176,31 @@ class Projection(Module):
     def arrays(self) -> tuple[jax.Array, jax.Array | None]:
         """The kernel and bias values (inside a call)."""
         return self.kernel.value, None if self.bias is None else self.bias.value
+
+
+@functools.partial(jax.jit, static_argnames=("dtypes", "precision"))
+def project_qkv(
+    inputs: tuple[jax.Array, jax.Array, jax.Array],
+    params: tuple[tuple[jax.Array, jax.Array | None], ...],
+    dtypes: tuple[Any, Any, Any],
+    precision: PrecisionLike,
+) -> tuple[jax.Array, ...]:
+    """The query, key and value projections (Linen's three ``DenseGeneral``), in one call."""
+    return tuple(
+        dense_general(x, kernel, bias, 1, dtype, precision)
+        for x, (kernel, bias), dtype in zip(inputs, params, dtypes, strict=True)
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "precision"))
+def project_heads_out(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None,
+    fits: jax.Array | None,
+    dtype: Dtype,
+    precision: PrecisionLike,
+) -> jax.Array:
+    """The output projection of the heads; NaN where a decoding step overflowed the cache."""
+    out = dense_general(x, kernel, bias, 2, dtype, precision)
+    return out if fits is None else jnp.where(fits, out, jnp.nan)

@@ -32,7 +32,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from .._core.frame import Frame, check_cast, current_frame, frame_of, where_is
+from .._core.checks import check_cast
+from .._core.frame import Frame, current_frame, frame_of, where_is
 from .._core.variables import State
 
 

@@ -15,9 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..records.records import sow
-from .._core.rng import _is_key as is_key
-from .._core.rng import next_rng_key
+from .._core.rng import is_key, next_rng_key
+from .._core.types import Dtype, PrecisionLike
+from ..records.sow import sow
 from . import _checks, _dtypes
 
 __all__ = [
@@ -37,8 +37,8 @@ def _weights(
     dropout_rng: jax.Array | None,
     dropout_rate: float,
     broadcast_dropout: bool,
-    dtype: Any,
-    precision: Any,
+    dtype: Dtype,
+    precision: PrecisionLike,
     force_fp32_for_softmax: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """Linen's ``dot_product_attention_weights``: the weights, and the weights after dropout.
@@ -90,8 +90,8 @@ def weights_kernel(
     dropout_rng: jax.Array | None,
     dropout_rate: float,
     broadcast_dropout: bool,
-    dtype: Any,
-    precision: Any,
+    dtype: Dtype,
+    precision: PrecisionLike,
     force_fp32_for_softmax: bool,
     with_weights: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
@@ -121,8 +121,8 @@ def attention_kernel(
     dropout_rng: jax.Array | None,
     dropout_rate: float,
     broadcast_dropout: bool,
-    dtype: Any,
-    precision: Any,
+    dtype: Dtype,
+    precision: PrecisionLike,
     force_fp32_for_softmax: bool,
     with_weights: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
@@ -152,7 +152,7 @@ def _attention_mask(
     key_input: jax.Array,
     pairwise_fn: Callable[..., Any],
     extra_batch_dims: int,
-    dtype: Any,
+    dtype: Dtype,
 ) -> jax.Array:
     mask = pairwise_fn(jnp.expand_dims(query_input, axis=-1), jnp.expand_dims(key_input, axis=-2))
     mask = jnp.expand_dims(mask, axis=-3)
@@ -161,7 +161,7 @@ def _attention_mask(
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
-def _combine_masks(masks: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
+def _combine_masks(masks: tuple[jax.Array, ...], dtype: Dtype) -> jax.Array:
     mask = masks[0]
     for other in masks[1:]:
         mask = jnp.logical_and(mask, other)
@@ -179,8 +179,8 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng: Any = None,
     broadcast_dropout: bool = True,
-    dtype: Any = None,
-    precision: Any = None,
+    dtype: Dtype = None,
+    precision: PrecisionLike = None,
     force_fp32_for_softmax: bool = False,
     sow_weights: bool = False,
 ) -> jax.Array:
@@ -254,8 +254,8 @@ def dot_product_attention_weights(
     dropout_rate: float = 0.0,
     dropout_rng: Any = None,
     broadcast_dropout: bool = True,
-    dtype: Any = None,
-    precision: Any = None,
+    dtype: Dtype = None,
+    precision: PrecisionLike = None,
     force_fp32_for_softmax: bool = False,
     sow_weights: bool = False,
 ) -> jax.Array:
@@ -318,13 +318,13 @@ def _options(
     dropout_rate: Any,
     dropout_rng: Any,
     broadcast_dropout: Any,
-    dtype: Any,
-    precision: Any,
+    dtype: Dtype,
+    precision: PrecisionLike,
     force_fp32_for_softmax: Any,
     sow_weights: Any,
 ) -> dict[str, Any]:
     """Checks the options of the attention functions; returns the kernels' keyword arguments."""
-    _checks.python_bool(where, is_training=is_training)
+    _checks.static_flags(where, is_training=is_training)
     dropout_rate = _checks.non_negative(where, "dropout_rate", dropout_rate, below=1.0)
     q_shape, k_shape = jnp.shape(query), jnp.shape(key)
     weights_shape = (*q_shape[:-3], q_shape[-2], q_shape[-3], k_shape[-3])
@@ -373,7 +373,7 @@ def make_attention_mask(
     *,
     pairwise_fn: Callable[..., Any] = jnp.multiply,
     extra_batch_dims: int = 0,
-    dtype: Any = jnp.bool_,
+    dtype: Dtype = jnp.bool_,
 ) -> jax.Array:
     """A mask of every query position against every key position, as Linen's.
 
@@ -408,7 +408,7 @@ def make_attention_mask(
 
 
 def make_causal_mask(
-    x: jax.Array, *, extra_batch_dims: int = 0, dtype: Any = jnp.bool_
+    x: jax.Array, *, extra_batch_dims: int = 0, dtype: Dtype = jnp.bool_
 ) -> jax.Array:
     """A causal mask for self-attention over `x`'s last axis, as Linen's.
 
@@ -442,7 +442,7 @@ def make_causal_mask(
     return _attention_mask(idxs, idxs, jnp.greater_equal, extra, dtype)
 
 
-def combine_masks(*masks: jax.Array | None, dtype: Any = jnp.bool_) -> jax.Array | None:
+def combine_masks(*masks: jax.Array | None, dtype: Dtype = jnp.bool_) -> jax.Array | None:
     """The logical AND of the masks that are not None, as Linen's.
 
     Args:

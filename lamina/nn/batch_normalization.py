@@ -1,7 +1,7 @@
 """`BatchNorm`: normalisation with the batch's statistics, and their running averages.
 
 Numerically Flax Linen's ``BatchNorm``, with Linen's options and variables; the statistics and
-the normalisation are those of the other normalisation layers (`lamina.nn.norm`).
+the normalisation are those of the other normalisation layers (`lamina.nn.normalization`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import initializers
-from .._core.variables import BatchStat, Initializer
+from .._core.types import Dtype, Initializer
+from .._core.variables import BatchStat
 from . import _checks, _dtypes
-from .norm import (
+from .normalization import (
     Normalization,
     axes_setting,
     check_mask,
@@ -55,8 +56,8 @@ def batch_norm(
     feature_axes: tuple[int, ...],
     momentum: float,
     epsilon: float,
-    dtype: Any,
-    stats_dtype: Any,
+    dtype: Dtype,
+    stats_dtype: Dtype,
     use_fast_variance: bool = True,
     axis_name: Hashable | None = None,
     axis_index_groups: Any = None,
@@ -179,8 +180,8 @@ class BatchNorm(Normalization):
         scale_init: Initializer = initializers.ones(),
         bias_init: Initializer = initializers.zeros(),
         use_fast_variance: bool = True,
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = None,
         scale_sharding: Sequence[str | None] | None = None,
         bias_sharding: Sequence[str | None] | None = None,
     ):
@@ -222,7 +223,7 @@ class BatchNorm(Normalization):
         self, x: jax.Array, is_training: bool, *, mask: jax.Array | None = None
     ) -> jax.Array:
         """Normalises `x`; updates the running averages if training."""
-        _checks.python_bool(type(self).__name__, is_training=is_training)
+        _checks.static_flags(type(self).__name__, is_training=is_training)
         reduction, features = self._axes(x)
         mask = check_mask(self._describe, mask, tuple(jnp.shape(x)))
         if is_training:
@@ -334,7 +335,7 @@ class BatchNorm(Normalization):
             return 2  # unbound: the call raises its own, clearer error
 
 
-def _is_complex(dtype: Any) -> bool:
+def _is_complex(dtype: Dtype) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.complexfloating))
 
 

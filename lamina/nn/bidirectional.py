@@ -115,7 +115,7 @@ class Bidirectional(Module):
         """
         where = f"{type(self).__name__}.__call__"
         chosen = {"return_carry": return_carry, "time_major": time_major}
-        _checks.python_bool(where, **{k: v for k, v in chosen.items() if v is not None})
+        _checks.static_flags(where, **{k: v for k, v in chosen.items() if v is not None})
         time_major = self.time_major if time_major is None else time_major
         return_carry = self.return_carry if return_carry is None else return_carry
         if initial_carry is None:

@@ -1,12 +1,14 @@
-"""Recurrent cells: `LSTMCell`, `OptimizedLSTMCell`, `GRUCell`, `MGUCell`, `SimpleCell`.
+"""What lamina's recurrent cells share: the `DenseCell` base, the carry and the compiled step.
 
-Each equals its Flax Linen namesake and holds Linen's variables (one `Dense` per gate and
-source, named as Linen names them), so Linen's variables load directly. A cell computes one
-time step, ``cell(carry, x) -> (new_carry, y)``; `RNN` runs it over a sequence.
+The cells (`LSTMCell` and `OptimizedLSTMCell` in `lstm_cells`, `GRUCell` and `MGUCell` in
+`gru_cells`, `SimpleCell` in `simple_cell`) each equal their Flax Linen namesake and hold
+Linen's variables (one `Dense` per gate and source, named as Linen names them), so Linen's
+variables load directly. A cell computes one time step, ``cell(carry, x) -> (new_carry, y)``;
+`RNN` runs it over a sequence.
 
 A step's arithmetic is a compiled kernel (`lstm_step`, `fused_lstm_step`, `gru_step`,
 `mgu_step`, `simple_step`) that reads the gates' kernels and biases itself. It runs only where
-it is provably the cell's own computation (`_Cell.uses_compiled_step`: exactly a built-in
+it is provably the cell's own computation (`DenseCell.uses_compiled_step`: exactly a built-in
 cell class, every gate exactly the `Dense` it built, nothing capturing module outputs);
 then `compiled_step` hands it to `RNN` with the cell's variables, so that the whole scan is
 one compiled function. Otherwise the cell calls its gate layers as modules (a `LoRA` gate, a
@@ -29,93 +31,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import initializers
 from .._core.frame import current_frame, require_frame
 from .._core.module import Module
-from .._core.variables import Initializer, Parameter
-from ..activations import sigmoid, tanh
+from .._core.types import Dtype, Initializer
+from .._core.variables import Parameter
 from . import _checks, _dtypes
-from .linear import Dense, dense
+from .linear import Dense
 
 Carry = Any
-
-_LSTM_GATES = ("i", "f", "g", "o")
-_GRU_GATES = ("r", "z", "n")
-
-
-@functools.partial(jax.jit, static_argnames=("dtypes", "gate_fn", "activation_fn"))
-def lstm_step(
-    carry: tuple[jax.Array, jax.Array],
-    x: jax.Array,
-    weights: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], tuple[jax.Array, ...]],
-    dtypes: tuple[Any, Any],
-    gate_fn: Callable[..., Any],
-    activation_fn: Callable[..., Any],
-) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
-    """One LSTM step, as Flax Linen's `LSTMCell` computes it: ``((c', h'), h')``.
-
-    `weights` is ``(input_kernels, hidden_kernels, hidden_biases)``, each a tuple over the
-    gates ``i, f, g, o``. Each gate is ``dense(x, W_i?) + dense(h, W_h?, b_h?)``, the input's
-    products computed in ``dtypes[0]`` and the hidden state's in ``dtypes[1]`` (each gate
-    `Dense` in its own dtype, as Linen's), then `lstm_update`.
-    """
-    c, h = carry
-    x_dtype, h_dtype = dtypes
-    x_parts, h_parts = common_parts(
-        [dense(x, wi, None, x_dtype) for wi in weights[0]],
-        [dense(h, wh, bh, h_dtype) for wh, bh in zip(weights[1], weights[2], strict=True)],
-    )
-    z = [xz + hz for xz, hz in zip(x_parts, h_parts, strict=True)]
-    return lstm_update(c, h, z, gate_fn, activation_fn)
-
-
-@functools.partial(jax.jit, static_argnames=("dtypes", "gate_fn", "activation_fn"))
-def fused_lstm_step(
-    carry: tuple[jax.Array, jax.Array],
-    x: jax.Array,
-    weights: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], tuple[jax.Array, ...]],
-    dtypes: tuple[Any, Any],
-    gate_fn: Callable[..., Any],
-    activation_fn: Callable[..., Any],
-) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
-    """`lstm_step` with two matrix products instead of eight (Linen's `OptimizedLSTMCell`).
-
-    The same `weights`; the four input kernels are concatenated into one ``(in, 4 * hidden)``
-    kernel and the hidden kernels and biases likewise, so each step multiplies `x` and `h`
-    once. The concatenation does not depend on the step: inside `RNN`'s scan it is
-    loop-invariant, and XLA computes it once.
-    """
-    c, h = carry
-    input_kernels, hidden_kernels, hidden_biases = (jnp.concatenate(w, -1) for w in weights)
-    (zx,), (zh,) = common_parts(
-        [dense(x, input_kernels, None, dtypes[0])],
-        [dense(h, hidden_kernels, hidden_biases, dtypes[1])],
-    )
-    z = zh + zx
-    return lstm_update(c, h, jnp.split(z, 4, axis=-1), gate_fn, activation_fn)
-
-
-def lstm_update(
-    c: jax.Array,
-    h: jax.Array,
-    z: Sequence[jax.Array],
-    gate_fn: Callable[..., Any],
-    activation_fn: Callable[..., Any],
-) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
-    """The LSTM update from the gates' pre-activations ``z = (i, f, g, o)``: ``((c', h'), h')``.
-
-    ``c' = gate(f) c + gate(i) act(g)``, ``h' = gate(o) act(c')``; computed in the carry's
-    dtype (Linen's result under standard promotion when the carry is float32 and the gates
-    bfloat16), so the carry keeps its dtype, unless the gates are complex
-    (`next_carry_dtype`). Shared by every LSTM cell (`ConvLSTMCell`
-    included).
-    """
-    i, f, g, o = gate_fn(z[0]), gate_fn(z[1]), activation_fn(z[2]), gate_fn(z[3])
-    gates = jnp.result_type(i, f, g, o)
-    cdt = next_carry_dtype(c.dtype, gates)
-    new_c = f.astype(cdt) * c.astype(cdt) + (i * g).astype(cdt)
-    new_h = (o.astype(cdt) * activation_fn(new_c)).astype(next_carry_dtype(h.dtype, gates))
-    return (new_c, new_h), new_h
 
 
 def common_parts(
@@ -132,7 +55,7 @@ def common_parts(
     return [jnp.asarray(p, common) for p in x_parts], [jnp.asarray(p, common) for p in h_parts]
 
 
-def next_carry_dtype(carry_dtype: Any, compute_dtype: Any) -> Any:
+def next_carry_dtype(carry_dtype: Dtype, compute_dtype: Dtype) -> Dtype:
     """The dtype of a carry after a step computed in `compute_dtype`.
 
     The carry keeps its dtype (bfloat16 gates leave a float32 carry float32), except that a
@@ -146,158 +69,21 @@ def next_carry_dtype(carry_dtype: Any, compute_dtype: Any) -> Any:
     return carry_dtype
 
 
-def gru_update(
-    h: jax.Array,
-    x_parts: Sequence[jax.Array],
-    h_parts: Sequence[jax.Array],
-    gate_fn: Callable[..., Any],
-    activation_fn: Callable[..., Any],
-) -> tuple[jax.Array, jax.Array]:
-    """The GRU update from the gates' transforms of ``x`` and ``h`` (``r, z, n``): ``(h', h')``.
-
-    ``(1 - z) * n + z * h`` is computed in the carry's dtype (`next_carry_dtype`).
-    """
-    (xr, xz, xn), (hr, hz, hn) = x_parts, h_parts
-    r = gate_fn(xr + hr)
-    z = gate_fn(xz + hz)
-    n = activation_fn(xn + r * hn)
-    hdt = next_carry_dtype(h.dtype, jnp.result_type(n))
-    new_h = ((1.0 - z) * n).astype(hdt) + z.astype(hdt) * h.astype(hdt)
-    return new_h, new_h
-
-
-@functools.partial(jax.jit, static_argnames=("dtypes", "gate_fn", "activation_fn"))
-def gru_step(
-    carry: jax.Array,
-    x: jax.Array,
-    weights: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], tuple[jax.Array, ...], jax.Array],
-    dtypes: tuple[Any, Any],
-    gate_fn: Callable[..., Any],
-    activation_fn: Callable[..., Any],
-) -> tuple[jax.Array, jax.Array]:
-    """One GRU step, as Flax Linen's `GRUCell` computes it: ``(h', h')``.
-
-    `weights` is ``(input_kernels, input_biases, hidden_kernels, hidden_bias_n)``, the tuples
-    over the gates ``r, z, n``: the input transforms carry the biases, and of the hidden ones
-    only ``n``'s (it is gated by ``r`` before the sum); the input's products are computed in
-    ``dtypes[0]``, the hidden state's in ``dtypes[1]``. Then `gru_update`.
-    """
-    h = carry
-    x_dtype, h_dtype = dtypes
-    (w_ir, w_iz, w_in), (b_ir, b_iz, b_in), (w_hr, w_hz, w_hn), b_hn = weights
-    x_parts, h_parts = common_parts(
-        [
-            dense(x, w_ir, b_ir, x_dtype),
-            dense(x, w_iz, b_iz, x_dtype),
-            dense(x, w_in, b_in, x_dtype),
-        ],
-        [
-            dense(h, w_hr, None, h_dtype),
-            dense(h, w_hz, None, h_dtype),
-            dense(h, w_hn, b_hn, h_dtype),
-        ],
-    )
-    return gru_update(h, x_parts, h_parts, gate_fn, activation_fn)
-
-
-def mgu_update(
-    h: jax.Array,
-    x_parts: Sequence[jax.Array],
-    h_parts: Sequence[jax.Array],
-    gate_fn: Callable[..., Any],
-    activation_fn: Callable[..., Any],
-    reset_gate: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """The MGU update from the transforms of ``x`` and ``h`` (``f, n``): ``(h', h')``.
-
-    ``(1 - f) * n + f * h`` is computed in the carry's dtype (`next_carry_dtype`).
-    """
-    (xf, xn), (hf, hn) = x_parts, h_parts
-    f = gate_fn(xf + hf)
-    recurrent = hn * f if reset_gate else hn
-    n = activation_fn(xn + recurrent)
-    hdt = next_carry_dtype(h.dtype, jnp.result_type(n))
-    new_h = ((1.0 - f) * n).astype(hdt) + f.astype(hdt) * h.astype(hdt)
-    return new_h, new_h
-
-
-@functools.partial(jax.jit, static_argnames=("dtypes", "gate_fn", "activation_fn", "reset_gate"))
-def mgu_step(
-    carry: jax.Array,
-    x: jax.Array,
-    weights: tuple[Any, ...],
-    dtypes: tuple[Any, Any],
-    gate_fn: Callable[..., Any],
-    activation_fn: Callable[..., Any],
-    reset_gate: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """One minimal gated unit step, as Flax Linen's `MGUCell` computes it: ``(h', h')``.
-
-    `weights` is ``(W_if, b_if, W_in, b_in, W_hf, W_hn, b_hn)`` (`b_hn` None without the reset
-    gate); the input's products in ``dtypes[0]``, the hidden state's in ``dtypes[1]``. Then
-    `mgu_update`.
-    """
-    h = carry
-    x_dtype, h_dtype = dtypes
-    w_if, b_if, w_in, b_in, w_hf, w_hn, b_hn = weights
-    x_parts, h_parts = common_parts(
-        [dense(x, w_if, b_if, x_dtype), dense(x, w_in, b_in, x_dtype)],
-        [dense(h, w_hf, None, h_dtype), dense(h, w_hn, b_hn, h_dtype)],
-    )
-    return mgu_update(h, x_parts, h_parts, gate_fn, activation_fn, reset_gate)
-
-
-def simple_update(
-    h: jax.Array,
-    x_part: jax.Array,
-    h_part: jax.Array,
-    activation_fn: Callable[..., Any],
-    residual: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """The Elman update ``activation(x_part + h_part [+ h])``: ``(h', h')``, carry's dtype."""
-    z = x_part + h_part
-    if residual:
-        z = z + h.astype(z.dtype)
-    new_h = activation_fn(z)
-    new_h = new_h.astype(next_carry_dtype(h.dtype, new_h.dtype))
-    return new_h, new_h
-
-
-@functools.partial(jax.jit, static_argnames=("dtypes", "activation_fn", "residual"))
-def simple_step(
-    carry: jax.Array,
-    x: jax.Array,
-    weights: tuple[jax.Array, jax.Array, jax.Array],
-    dtypes: tuple[Any, Any],
-    activation_fn: Callable[..., Any],
-    residual: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """One Elman step, as Flax Linen's `SimpleCell` computes it: ``(h', h')``.
-
-    `weights` is ``(W_i, b_i, W_h)``; ``h' = activation(W_i x + b_i + W_h h [+ h])``, in the
-    carry's dtype; ``W_i x`` is computed in ``dtypes[0]``, ``W_h h`` in ``dtypes[1]``.
-    """
-    h = carry
-    w_i, b_i, w_h = weights
-    (x_part,), (h_part,) = common_parts(
-        [dense(x, w_i, b_i, dtypes[0])], [dense(h, w_h, None, dtypes[1])]
-    )
-    return simple_update(h, x_part, h_part, activation_fn, residual)
-
-
 @dataclasses.dataclass(frozen=True)
-class _Kernel:
+class StepKernel:
     """A cell's step as a hashable static argument: ``step(weights, carry, x)``."""
 
     fn: Callable[..., Any]  # lstm_step, gru_step...
     settings: tuple[tuple[str, Any], ...]  # `dtypes` (input's, hidden state's) included
-    dtype: Any  # the step's: the promotion of the input, the carry and the weights
+    dtype: Dtype  # the step's: the promotion of the input, the carry and the weights
 
     def __call__(self, weights: Any, carry: Carry, x: jax.Array) -> tuple[Carry, Any]:
+        """One step of the cell: ``(new_carry, y)``."""
         return self.fn(carry, x, weights, **dict(self.settings))
 
 
-def _batch_shape(cls: str, batch_shape: Any) -> tuple[int, ...]:
+def checked_batch_shape(cls: str, batch_shape: Any) -> tuple[int, ...]:
+    """`batch_shape` of `cls.initialize_carry` as a tuple of ints; `TypeError` if it is none."""
     if _checks.is_int(batch_shape):
         batch_shape = (batch_shape,)
     try:
@@ -318,7 +104,7 @@ def tree_shapes(tree: Any) -> Any:
     return jax.tree.map(lambda a: tuple(jnp.shape(a)), tree)
 
 
-def step_dtype(cell: Any, dtype: Any, carry: Carry, x: jax.Array, weights: Any) -> Any:
+def step_dtype(cell: Any, dtype: Dtype, carry: Carry, x: jax.Array, weights: Any) -> Any:
     """The dtype a cell computes a step in: `dtype`, or the promotion of `x`, carry and weights.
 
     Raises `TypeError`, through `_dtypes.compute_dtype`, for a complex input or variable under
@@ -328,7 +114,7 @@ def step_dtype(cell: Any, dtype: Any, carry: Carry, x: jax.Array, weights: Any) 
     return _dtypes.compute_dtype(cell, dtype, x, *leaves, *jax.tree.leaves(weights))
 
 
-def promote_carry(carry: Carry, dtype: Any) -> Carry:
+def promote_carry(carry: Carry, dtype: Dtype) -> Carry:
     """`carry` cast to the dtypes a step computed in `dtype` returns (`next_carry_dtype`).
 
     `RNN` starts its scan from it, so that the loop's carry keeps one dtype.
@@ -344,8 +130,11 @@ def promote_carry(carry: Carry, dtype: Any) -> Carry:
     return jax.tree.map(cast, carry)
 
 
-class _Cell(Module, abc.ABC):
-    """What the cells share: settings, gate layers, the dtype of a step, checks and the call."""
+class DenseCell(Module, abc.ABC):
+    """What the cells with `Dense` gates share: settings, gates, the dtype of a step, the call.
+
+    The base of `LSTMCell`, `OptimizedLSTMCell`, `GRUCell`, `MGUCell` and `SimpleCell`.
+    """
 
     num_feature_axes = 1  # the trailing axes that are features, not batch (as Linen's)
     _gates: tuple[str, ...] = ()
@@ -368,8 +157,8 @@ class _Cell(Module, abc.ABC):
         kernel_init: Initializer,
         recurrent_kernel_init: Initializer,
         bias_init: Initializer,
-        dtype: Any,
-        param_dtype: Any,
+        dtype: Dtype,
+        param_dtype: Dtype,
         gate_bias_inits: dict[str, tuple[str, Initializer]] | None = None,
     ):
         super().__init__()
@@ -434,7 +223,7 @@ class _Cell(Module, abc.ABC):
         return f"{type(self).__name__}(in_size={self.in_size}, hidden_size={self.hidden_size})"
 
     def _zeros(self, batch_shape: Any) -> jax.Array:
-        shape = (*_batch_shape(type(self).__name__, batch_shape), self.hidden_size)
+        shape = (*checked_batch_shape(type(self).__name__, batch_shape), self.hidden_size)
         return jnp.zeros(shape, self.param_dtype)
 
     @abc.abstractmethod
@@ -446,7 +235,7 @@ class _Cell(Module, abc.ABC):
         """The arrays the step kernel takes, read from the gate layers."""
 
     @abc.abstractmethod
-    def _kernel(self, dtypes: tuple[Any, Any], dtype: Any) -> _Kernel:
+    def _kernel(self, dtypes: tuple[Any, Any], dtype: Dtype) -> StepKernel:
         """The jitted step with this cell's settings: gates in `dtypes`, the step's `dtype`."""
 
     @abc.abstractmethod
@@ -457,7 +246,7 @@ class _Cell(Module, abc.ABC):
     def _update(self, carry: Carry, x_parts: list[Any], h_parts: list[Any]) -> Any:
         """The step from the gate layers' outputs (``i<gate>(x)`` and ``h<gate>(h)``)."""
 
-    def _compiled(self, carry: Carry, x: jax.Array) -> tuple[Any, _Kernel]:
+    def _compiled(self, carry: Carry, x: jax.Array) -> tuple[Any, StepKernel]:
         """The weights and the step for this carry and input (their dtypes decide the step's).
 
         Each gate computes in the dtype its `Dense` would: the cell's `dtype`, or with None
@@ -488,7 +277,7 @@ class _Cell(Module, abc.ABC):
         (`lm.capture_intermediates`, which records the gates' calls). Otherwise the cell calls
         its gate layers, and `RNN` calls the cell at every step.
         """
-        if type(self) not in _BUILT_IN_CELLS:
+        if not is_built_in(self):
             return False
         frame = current_frame()
         if frame is not None and frame.records is not None and frame.records.capture:
@@ -567,155 +356,7 @@ class _Cell(Module, abc.ABC):
             )
 
 
-class LSTMCell(_Cell):
-    r"""A long short-term memory cell, equal to Flax Linen's `LSTMCell`.
-
-    .. math::
-
-        i = \sigma(W_{ii} x + W_{hi} h + b_{hi}), \quad
-        f = \sigma(W_{if} x + W_{hf} h + b_{hf}), \quad
-        g = \tanh(W_{ig} x + W_{hg} h + b_{hg}), \quad
-        o = \sigma(W_{io} x + W_{ho} h + b_{ho}),
-
-        c' = f c + i g, \qquad h' = o \tanh(c').
-
-    ``cell(carry, x)`` takes the carry ``(c, h)`` and an input of shape
-    ``(*batch, in_size)`` and returns ``((c', h'), h')``. Variables are Linen's: `Dense`
-    submodules ``ii, if, ig, io`` (input to gate: ``kernel`` of shape
-    ``(in_size, hidden_size)``, no bias) and ``hi, hf, hg, ho`` (hidden to gate:
-    ``kernel`` of shape ``(hidden_size, hidden_size)`` and ``bias``).
-
-    The gates are computed in `dtype`; the carry keeps its own dtype (`param_dtype` from
-    `initialize_carry`), so bfloat16 compute with float32 storage keeps ``c`` and ``h`` in
-    float32, as Linen does.
-
-    Args:
-        in_size: Size of the input's last axis.
-        hidden_size: Size of ``c`` and ``h`` (Linen's `features`).
-        gate_fn: Activation of the gates ``i, f, o``.
-        activation_fn: Activation of ``g`` and of the output ``tanh(c')``.
-        kernel_init: Initializer of the input kernels.
-        recurrent_kernel_init: Initializer of the hidden kernels.
-        bias_init: Initializer of the biases.
-        dtype: Compute dtype of the gates; None infers it from the input, the carry and
-            the variables (Linen's ``promote_dtype``).
-        param_dtype: Storage dtype of the variables and dtype of `initialize_carry`'s carry
-            (default: `dtype`,
-            float32 when `dtype` is None).
-
-    Everything after `hidden_size` is keyword-only. Linen's ``features`` is `hidden_size`;
-    `in_size` is declared here because lamina does not infer shapes.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, lamina as lm
-        >>> cell = lm.LSTMCell(3, 4)
-        >>> init, apply = lm.transform(cell)
-        >>> variables = init(jax.random.key(0))
-        >>> sorted(variables["params"])
-        ['hf', 'hg', 'hi', 'ho', 'if', 'ig', 'ii', 'io']
-        >>> carry = cell.initialize_carry((2,))  # zeros of shape (2, 4), no key needed
-        >>> (c, h), y = apply(variables, None, carry, jnp.ones((2, 3)))[0]
-        >>> c.shape, y.shape
-        ((2, 4), (2, 4))
-    """
-
-    _gates = _LSTM_GATES
-    _carry_doc = "a tuple (c, h)"
-
-    def _carry_shapes(self, batch: tuple[int, ...]) -> Any:
-        return ((*batch, self.hidden_size),) * 2
-
-    def __init__(
-        self,
-        in_size: int,
-        hidden_size: int,
-        *,
-        gate_fn: Callable[..., Any] = sigmoid,
-        activation_fn: Callable[..., Any] = tanh,
-        kernel_init: Initializer = initializers.lecun_normal(),
-        recurrent_kernel_init: Initializer = initializers.orthogonal(),
-        bias_init: Initializer = initializers.zeros(),
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
-    ):
-        super().__init__(
-            in_size,
-            hidden_size,
-            gate_fn=gate_fn,
-            activation_fn=activation_fn,
-            kernel_init=kernel_init,
-            recurrent_kernel_init=recurrent_kernel_init,
-            bias_init=bias_init,
-            dtype=dtype,
-            param_dtype=param_dtype,
-        )
-
-    def initialize_carry(
-        self, batch_shape: Sequence[int] | int = ()
-    ) -> tuple[jax.Array, jax.Array]:
-        """Returns the zero carry ``(c, h)``, each of shape ``(*batch_shape, hidden_size)``.
-
-        Args:
-            batch_shape: The input's shape without its feature axis (``()`` for one example).
-
-        Returns:
-            Two zero arrays of dtype `param_dtype`.
-        """
-        return self._zeros(batch_shape), self._zeros(batch_shape)
-
-    def _weights(self) -> Any:
-        ins = [getattr(self, f"i{g}") for g in self._gates]
-        hid = [getattr(self, f"h{g}") for g in self._gates]
-        return (
-            tuple(d.kernel.value for d in ins),
-            tuple(d.kernel.value for d in hid),
-            tuple(d.bias.value for d in hid),
-        )
-
-    def _kernel(self, dtypes: tuple[Any, Any], dtype: Any) -> _Kernel:
-        return _Kernel(lstm_step, self._settings(dtypes), dtype)
-
-    def _biases(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        return (), _LSTM_GATES
-
-    def _hidden(self, carry: Carry) -> jax.Array:
-        return carry[1]
-
-    def _update(self, carry: Carry, x_parts: list[Any], h_parts: list[Any]) -> Any:
-        z = [xz + hz for xz, hz in zip(x_parts, h_parts, strict=True)]
-        return lstm_update(carry[0], carry[1], z, self.gate_fn, self.activation_fn)
-
-
-class OptimizedLSTMCell(LSTMCell):
-    r"""`LSTMCell` with its gates' matrix products fused, as Flax Linen's `OptimizedLSTMCell`.
-
-    The same cell, variables and numbers as `LSTMCell` (Linen's two cells have the same
-    variables too, and the same initial values from the same key): each step concatenates the
-    four input kernels into one ``(in_size, 4 * hidden_size)`` kernel and the four hidden
-    kernels and biases likewise, and multiplies the input and the hidden state once each
-    instead of four times (see `fused_lstm_step`). Linen recommends it for hidden sizes up to
-    about 2048; time both on your shapes (``benchmarks/lstm_cells.py``).
-
-    Arguments, carry and outputs are `LSTMCell`'s.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, lamina as lm
-        >>> cell = lm.OptimizedLSTMCell(3, 4)
-        >>> init, apply = lm.transform(cell)
-        >>> variables = init(jax.random.key(0))
-        >>> sorted(variables["params"]) == sorted(lm.transform(lm.LSTMCell(3, 4)).init(
-        ...     jax.random.key(0))["params"])
-        True
-        >>> (c, h), y = apply(variables, None, cell.initialize_carry((2,)), jnp.ones((2, 3)))[0]
-        >>> y.shape
-        (2, 4)
-    """
-
-    def _kernel(self, dtypes: tuple[Any, Any], dtype: Any) -> _Kernel:
-        return _Kernel(fused_lstm_step, self._settings(dtypes), dtype)
-
-
-class _HiddenStateCell(_Cell):
+class HiddenStateCell(DenseCell):
     """A cell whose carry is one array ``h`` (GRU, MGU, Elman)."""
 
     _carry_doc = "one array h"
@@ -735,299 +376,27 @@ class _HiddenStateCell(_Cell):
         return self._zeros(batch_shape)
 
 
-class GRUCell(_HiddenStateCell):
-    r"""A gated recurrent unit cell, equal to Flax Linen's `GRUCell`.
+BUILT_IN_CELLS: set[type] = set()
 
-    .. math::
 
-        r = \sigma(W_{ir} x + b_{ir} + W_{hr} h), \quad
-        z = \sigma(W_{iz} x + b_{iz} + W_{hz} h),
+def built_in(cls: type) -> type:
+    """Registers `cls` as one of lamina's own cell classes (a class decorator).
 
-        n = \tanh(W_{in} x + b_{in} + r (W_{hn} h + b_{hn})), \qquad
-        h' = (1 - z) n + z h.
-
-    ``cell(h, x)`` takes the carry ``h`` and an input of shape ``(*batch, in_size)`` and
-    returns ``(h', h')``. Variables are Linen's: `Dense` submodules ``ir, iz, in`` (input to
-    gate: ``kernel`` of shape ``(in_size, hidden_size)`` and ``bias``), ``hr, hz``
-    (hidden to gate: ``kernel`` only) and ``hn`` (``kernel`` and ``bias``).
-
-    Args:
-        in_size: Size of the input's last axis.
-        hidden_size: Size of ``h`` (Linen's `features`).
-        gate_fn: Activation of the gates ``r, z``.
-        activation_fn: Activation of the candidate ``n``.
-        kernel_init: Initializer of the input kernels.
-        recurrent_kernel_init: Initializer of the hidden kernels.
-        bias_init: Initializer of the biases.
-        dtype: Compute dtype of the gates; None infers it from the input, the carry and
-            the variables (Linen's ``promote_dtype``).
-        param_dtype: Storage dtype of the variables and dtype of `initialize_carry`'s carry
-            (default: `dtype`,
-            float32 when `dtype` is None).
-
-    Everything after `hidden_size` is keyword-only. Linen's ``features`` is `hidden_size`;
-    `in_size` is declared here because lamina does not infer shapes.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, lamina as lm
-        >>> cell = lm.GRUCell(3, 4)
-        >>> init, apply = lm.transform(cell)
-        >>> variables = init(jax.random.key(0))
-        >>> sorted(variables["params"]), sorted(variables["params"]["hn"])
-        (['hn', 'hr', 'hz', 'in', 'ir', 'iz'], ['bias', 'kernel'])
-        >>> h, y = apply(variables, None, cell.initialize_carry((2,)), jnp.ones((2, 3)))[0]
-        >>> h.shape
-        (2, 4)
+    Only the registered classes themselves compile their step (`is_built_in`); their
+    subclasses, whose `__call__` or `initialize_carry` may differ, never do.
     """
-
-    _gates = _GRU_GATES
-    hn: Any  # the hidden-to-candidate Dense, set with the other gates in __init__
-
-    def __init__(
-        self,
-        in_size: int,
-        hidden_size: int,
-        *,
-        gate_fn: Callable[..., Any] = sigmoid,
-        activation_fn: Callable[..., Any] = tanh,
-        kernel_init: Initializer = initializers.lecun_normal(),
-        recurrent_kernel_init: Initializer = initializers.orthogonal(),
-        bias_init: Initializer = initializers.zeros(),
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
-    ):
-        super().__init__(
-            in_size,
-            hidden_size,
-            gate_fn=gate_fn,
-            activation_fn=activation_fn,
-            kernel_init=kernel_init,
-            recurrent_kernel_init=recurrent_kernel_init,
-            bias_init=bias_init,
-            dtype=dtype,
-            param_dtype=param_dtype,
-        )
-
-    def _weights(self) -> Any:
-        ins = [getattr(self, f"i{g}") for g in self._gates]
-        hid = [getattr(self, f"h{g}") for g in self._gates]
-        return (
-            tuple(d.kernel.value for d in ins),
-            tuple(d.bias.value for d in ins),
-            tuple(d.kernel.value for d in hid),
-            self.hn.bias.value,
-        )
-
-    def _kernel(self, dtypes: tuple[Any, Any], dtype: Any) -> _Kernel:
-        return _Kernel(gru_step, self._settings(dtypes), dtype)
-
-    def _biases(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        return _GRU_GATES, ("n",)
-
-    def _update(self, carry: Carry, x_parts: list[Any], h_parts: list[Any]) -> Any:
-        return gru_update(carry, x_parts, h_parts, self.gate_fn, self.activation_fn)
+    BUILT_IN_CELLS.add(cls)
+    return cls
 
 
-class MGUCell(_HiddenStateCell):
-    r"""A minimal gated unit cell, equal to Flax Linen's `MGUCell`.
-
-    .. math::
-
-        f = \sigma(W_{if} x + b_{if} + W_{hf} h), \quad
-        n = \tanh(W_{in} x + b_{in} + f (W_{hn} h + b_{hn})), \qquad
-        h' = (1 - f) n + f h.
-
-    ``cell(h, x)`` returns ``(h', h')``. Variables are Linen's: `Dense` submodules ``if, in``
-    (input to gate, ``kernel`` of shape ``(in_size, hidden_size)`` and ``bias``), ``hf``
-    (``kernel`` only) and ``hn`` (``kernel``, and ``bias`` with the reset gate). Without the
-    reset gate (``reset_gate=False``) ``n = tanh(W_{in} x + b_{in} + W_{hn} h)``.
-
-    Args:
-        in_size: Size of the input's last axis.
-        hidden_size: Size of ``h`` (Linen's `features`).
-        gate_fn: Activation of the gate ``f``.
-        activation_fn: Activation of the candidate ``n``.
-        kernel_init: Initializer of the input kernels.
-        recurrent_kernel_init: Initializer of the hidden kernels.
-        forget_bias_init: Initializer of ``b_{if}`` (ones, as Linen: a gate that starts
-            half open keeps gradients alive).
-        activation_bias_init: Initializer of ``b_{in}`` and ``b_{hn}``.
-        dtype: Compute dtype of the gates; None infers it from the input, the carry and
-            the variables (Linen's ``promote_dtype``).
-        param_dtype: Storage dtype of the variables and of `initialize_carry`'s carry
-            (default: `dtype`,
-            float32 when `dtype` is None).
-        reset_gate: Whether ``f`` gates the recurrent term of ``n``.
-
-    Everything after `hidden_size` is keyword-only.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, lamina as lm
-        >>> cell = lm.MGUCell(3, 4)
-        >>> init, apply = lm.transform(cell)
-        >>> variables = init(jax.random.key(0))
-        >>> sorted(variables["params"]), variables["params"]["if"]["bias"].tolist()
-        (['hf', 'hn', 'if', 'in'], [1.0, 1.0, 1.0, 1.0])
-        >>> h, y = apply(variables, None, cell.initialize_carry((2,)), jnp.ones((2, 3)))[0]
-        >>> h.shape
-        (2, 4)
-    """
-
-    _gates = ("f", "n")
-    reset_gate = _checks.Setting()
-    hf: Any  # the Dense layers, set by name in __init__ ("if" and "in" are keywords)
-    hn: Any
-
-    def __init__(
-        self,
-        in_size: int,
-        hidden_size: int,
-        *,
-        gate_fn: Callable[..., Any] = sigmoid,
-        activation_fn: Callable[..., Any] = tanh,
-        kernel_init: Initializer = initializers.lecun_normal(),
-        recurrent_kernel_init: Initializer = initializers.orthogonal(),
-        forget_bias_init: Initializer = initializers.ones(),
-        activation_bias_init: Initializer = initializers.zeros(),
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
-        reset_gate: bool = True,
-    ):
-        self.reset_gate = _checks.flag(type(self).__name__, "reset_gate", reset_gate)
-        super().__init__(
-            in_size,
-            hidden_size,
-            gate_fn=gate_fn,
-            activation_fn=activation_fn,
-            kernel_init=kernel_init,
-            recurrent_kernel_init=recurrent_kernel_init,
-            bias_init=activation_bias_init,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            gate_bias_inits={"if": ("forget_bias_init", forget_bias_init)},
-        )
-
-    def _weights(self) -> Any:
-        f_in, n_in = getattr(self, "if"), getattr(self, "in")
-        f_h, n_h = self.hf, self.hn
-        return (
-            f_in.kernel.value,
-            f_in.bias.value,
-            n_in.kernel.value,
-            n_in.bias.value,
-            f_h.kernel.value,
-            n_h.kernel.value,
-            None if n_h.bias is None else n_h.bias.value,
-        )
-
-    def _settings(self, dtypes: tuple[Any, Any]) -> tuple[tuple[str, Any], ...]:
-        return (*super()._settings(dtypes), ("reset_gate", self.reset_gate))
-
-    def _kernel(self, dtypes: tuple[Any, Any], dtype: Any) -> _Kernel:
-        return _Kernel(mgu_step, self._settings(dtypes), dtype)
-
-    def _biases(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        return ("f", "n"), (("n",) if self.reset_gate else ())
-
-    def _update(self, carry: Carry, x_parts: list[Any], h_parts: list[Any]) -> Any:
-        return mgu_update(
-            carry, x_parts, h_parts, self.gate_fn, self.activation_fn, self.reset_gate
-        )
-
-
-class SimpleCell(_HiddenStateCell):
-    r"""An Elman cell, equal to Flax Linen's `SimpleCell`.
-
-    .. math::
-
-        h' = \tanh(W_i x + b_i + W_h h) \quad (+\, h \text{ inside the tanh with residual}).
-
-    ``cell(h, x)`` returns ``(h', h')``. Variables are Linen's: `Dense` submodules ``i``
-    (``kernel`` of shape ``(in_size, hidden_size)`` and ``bias``) and ``h`` (``kernel``).
-
-    Args:
-        in_size: Size of the input's last axis.
-        hidden_size: Size of ``h`` (Linen's `features`).
-        activation_fn: The activation.
-        kernel_init: Initializer of the input kernel.
-        recurrent_kernel_init: Initializer of the hidden kernel.
-        bias_init: Initializer of the bias.
-        dtype: Compute dtype of the gates; None infers it from the input, the carry and
-            the variables (Linen's ``promote_dtype``).
-        param_dtype: Storage dtype of the variables and of `initialize_carry`'s carry
-            (default: `dtype`,
-            float32 when `dtype` is None).
-        residual: Adds ``h`` before the activation (a pre-activation residual).
-
-    Everything after `hidden_size` is keyword-only.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, lamina as lm
-        >>> cell = lm.SimpleCell(3, 4)
-        >>> init, apply = lm.transform(cell)
-        >>> variables = init(jax.random.key(0))
-        >>> sorted(variables["params"]), sorted(variables["params"]["h"])
-        (['h', 'i'], ['kernel'])
-        >>> h, y = apply(variables, None, cell.initialize_carry((2,)), jnp.ones((2, 3)))[0]
-        >>> h.shape
-        (2, 4)
-    """
-
-    _gates = ("",)  # one Dense per source, named "i" and "h" as in Linen
-    residual = _checks.Setting()
-    i: Any  # the Dense layers, set by name in __init__
-    h: Any
-
-    def __init__(
-        self,
-        in_size: int,
-        hidden_size: int,
-        *,
-        activation_fn: Callable[..., Any] = tanh,
-        kernel_init: Initializer = initializers.lecun_normal(),
-        recurrent_kernel_init: Initializer = initializers.orthogonal(),
-        bias_init: Initializer = initializers.zeros(),
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
-        residual: bool = False,
-    ):
-        self.residual = _checks.flag(type(self).__name__, "residual", residual)
-        super().__init__(
-            in_size,
-            hidden_size,
-            gate_fn=None,
-            activation_fn=activation_fn,
-            kernel_init=kernel_init,
-            recurrent_kernel_init=recurrent_kernel_init,
-            bias_init=bias_init,
-            dtype=dtype,
-            param_dtype=param_dtype,
-        )
-
-    def _weights(self) -> Any:
-        return (self.i.kernel.value, self.i.bias.value, self.h.kernel.value)
-
-    def _settings(self, dtypes: tuple[Any, Any]) -> tuple[tuple[str, Any], ...]:
-        return (
-            ("dtypes", dtypes),
-            ("activation_fn", self.activation_fn),
-            ("residual", self.residual),
-        )
-
-    def _kernel(self, dtypes: tuple[Any, Any], dtype: Any) -> _Kernel:
-        return _Kernel(simple_step, self._settings(dtypes), dtype)
-
-    def _biases(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        return ("",), ()
-
-    def _update(self, carry: Carry, x_parts: list[Any], h_parts: list[Any]) -> Any:
-        (x_part,), (h_part,) = x_parts, h_parts
-        return simple_update(carry, x_part, h_part, self.activation_fn, self.residual)
+def is_built_in(cell: Any) -> bool:
+    """Whether `cell` is exactly one of lamina's cell classes, not a subclass of one."""
+    return type(cell) in BUILT_IN_CELLS
 
 
 def carry_shapes(cell: Any, batch: tuple[int, ...]) -> Any:
     """The shapes of the carry that `cell` takes for inputs of batch shape `batch`."""
-    if type(cell) in _BUILT_IN_CELLS:  # a subclass may override initialize_carry
+    if is_built_in(cell):  # a subclass may override initialize_carry
         return cell._carry_shapes(batch)
     return tree_shapes(jax.eval_shape(lambda: cell.initialize_carry(batch)))
 
@@ -1041,7 +410,9 @@ def _gate_table(
     return tuple((f"{s}{g}", s, g in biased) for s, biased in sources for g in gates)
 
 
-def is_parameter(declaration: Any, shape: tuple[int, ...], dtype: Any, param_dtype: Any) -> bool:
+def is_parameter(
+    declaration: Any, shape: tuple[int, ...], dtype: Dtype, param_dtype: Dtype
+) -> bool:
     """Whether `declaration` is exactly a `Parameter` of `shape`, `dtype` and `param_dtype`.
 
     Such an array is what a fused path may read in place of calling the layer that holds it.
@@ -1059,13 +430,10 @@ def _same_dtype(a: Any, b: Any) -> bool:
     return a is b or (a is not None and b is not None and jnp.dtype(a) == jnp.dtype(b))
 
 
-_BUILT_IN_CELLS = frozenset((LSTMCell, OptimizedLSTMCell, GRUCell, MGUCell, SimpleCell))
-
-
-def compiled_step(cell: Module, carry: Carry, x: jax.Array) -> tuple[Any, _Kernel] | None:
+def compiled_step(cell: Module, carry: Carry, x: jax.Array) -> tuple[Any, StepKernel] | None:
     """The variables' values and the compiled step of a cell, or None to call the cell.
 
-    Only where the step is provably the cell's own computation (`_Cell.uses_compiled_step`:
+    Only where the step is provably the cell's own computation (`DenseCell.uses_compiled_step`:
     a built-in cell exactly, with untouched gates, nothing capturing the gates' calls); None
     for every other cell (a subclass, a `LoRA` or other gate, `ConvLSTMCell`, a user's).
 
@@ -1073,6 +441,6 @@ def compiled_step(cell: Module, carry: Carry, x: jax.Array) -> tuple[Any, _Kerne
     to take as a static argument with the weights as an argument; it computes in the dtype the
     cell would for `carry` and `x` (an input of one step, or the whole sequence).
     """
-    if isinstance(cell, _Cell) and cell.uses_compiled_step():
+    if isinstance(cell, DenseCell) and cell.uses_compiled_step():
         return cell._compiled(carry, x)
     return None

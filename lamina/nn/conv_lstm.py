@@ -10,12 +10,12 @@ import jax.numpy as jnp
 
 from .._core.frame import require_frame
 from .._core.module import Module
+from .._core.types import Dtype, PaddingLike
 from ..activations import sigmoid, tanh
 from . import _checks, _dtypes
-from .cells import Carry, _batch_shape, lstm_update, step_dtype, tree_shapes
+from .cells import Carry, checked_batch_shape, step_dtype, tree_shapes
 from .conv import Conv
-
-PaddingLike = str | int | Sequence[int | Sequence[int]]
+from .lstm_cells import lstm_update
 
 # The paddings of `Conv` that keep a spatial axis's size at stride 1, whatever the window.
 _SIZE_KEEPING = ("SAME", "CIRCULAR", "REFLECT", "CAUSAL")
@@ -110,8 +110,8 @@ class ConvLSTMCell(Module):
         strides: int | Sequence[int] = 1,
         padding: PaddingLike = "SAME",
         use_bias: bool = True,
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = None,
     ):
         super().__init__()
         where = type(self).__name__
@@ -176,7 +176,7 @@ class ConvLSTMCell(Module):
         Returns:
             Two zero arrays of dtype `param_dtype`.
         """
-        shape = _batch_shape(type(self).__name__, batch_shape)
+        shape = checked_batch_shape(type(self).__name__, batch_shape)
         n = len(self.kernel_size)
         if len(shape) < n:
             raise ValueError(

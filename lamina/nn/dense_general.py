@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from .. import initializers
 from .._core.module import Module
-from .._core.variables import Initializer
+from .._core.types import Dtype, Initializer, PrecisionLike
 from . import _checks, _dtypes
 from ._projections import contract, declare
 
@@ -137,9 +137,9 @@ class DenseGeneral(Module):
         use_bias: bool = True,
         kernel_init: Initializer = initializers.lecun_normal(),
         bias_init: Initializer = initializers.zeros(),
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
-        precision: Any = None,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = None,
+        precision: PrecisionLike = None,
         kernel_sharding: Sequence[str | None] | None = None,
         bias_sharding: Sequence[str | None] | None = None,
     ):

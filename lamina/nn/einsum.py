@@ -12,8 +12,9 @@ import jax.numpy as jnp
 
 from .. import initializers
 from .._core.module import Module
-from ..sharding.shardings import result_sharding
-from .._core.variables import Initializer, Parameter
+from .._core.types import Dtype, Initializer, PrecisionLike
+from .._core.variables import Parameter
+from ..sharding.explicit import result_sharding
 from . import _checks, _dtypes
 
 
@@ -64,8 +65,8 @@ def einsum(
     kernel: jax.Array,
     bias: jax.Array | None,
     equation: str,
-    dtype: Any,
-    precision: Any = None,
+    dtype: Dtype,
+    precision: PrecisionLike = None,
     preferred_element_type: Any = None,
 ) -> jax.Array:
     """``jnp.einsum(equation, x, kernel) + bias``, the operands cast to `dtype`.
@@ -215,9 +216,9 @@ class Einsum(Module):
         use_bias: bool = True,
         kernel_init: Initializer = initializers.lecun_normal(),
         bias_init: Initializer = initializers.zeros(),
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
-        precision: Any = None,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = None,
+        precision: PrecisionLike = None,
         preferred_element_type: Any = None,
         kernel_sharding: Sequence[str | None] | None = None,
         bias_sharding: Sequence[str | None] | None = None,

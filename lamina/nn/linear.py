@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,14 +12,19 @@ from jax import lax
 
 from .. import initializers
 from .._core.module import Module
-from ..sharding.shardings import result_sharding
-from .._core.variables import Initializer, Parameter
+from .._core.types import Dtype, Initializer, PrecisionLike
+from .._core.variables import Parameter
+from ..sharding.explicit import result_sharding
 from . import _checks, _dtypes
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "precision"))
 def dense(
-    x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype: Any, precision: Any = None
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None,
+    dtype: Dtype,
+    precision: PrecisionLike = None,
 ) -> jax.Array:
     """``x @ kernel + bias`` over the last axis of `x`, computed in `dtype`.
 
@@ -92,9 +96,9 @@ class Dense(Module):
         use_bias: bool = True,
         kernel_init: Initializer = initializers.lecun_normal(),
         bias_init: Initializer = initializers.zeros(),
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
-        precision: Any = None,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = None,
+        precision: PrecisionLike = None,
         kernel_sharding: Sequence[str | None] | None = None,
         bias_sharding: Sequence[str | None] | None = None,
     ):
@@ -151,7 +155,7 @@ def embed_lookup(embedding: jax.Array, ids: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("dtype", "precision"))
 def embed_attend(
-    query: jax.Array, embedding: jax.Array, dtype: Any, precision: Any = None
+    query: jax.Array, embedding: jax.Array, dtype: Dtype, precision: PrecisionLike = None
 ) -> jax.Array:
     """``query @ embedding.T``: similarity of each query vector to every embedding."""
     query, embedding = jnp.asarray(query, dtype), jnp.asarray(embedding, dtype)
@@ -220,9 +224,9 @@ class Embed(Module):
         embedding_init: Initializer = initializers.variance_scaling(
             1.0, "fan_in", "normal", out_axis=0
         ),
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
-        precision: Any = None,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = None,
+        precision: PrecisionLike = None,
         embedding_sharding: Sequence[str | None] | None = None,
     ):
         super().__init__()

@@ -19,12 +19,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import initializers
-from .._core.errors import Path, VariablesError, format_list, format_path
+from .._core.checks import format_list, format_path
+from .._core.errors import VariablesError
 from .._core.graph import Plan, substitute, walk
 from .._core.layout import nest, present_variables
 from .._core.module import Module
-from .._core.types import Variables
-from .._core.variables import Initializer, Parameter
+from .._core.types import Dtype, Initializer, Path, PrecisionLike, Variables
+from .._core.variables import Parameter
 from . import _checks, _dtypes
 from .conv import Conv, conv
 from .linear import Dense, dense
@@ -54,8 +55,8 @@ def lora_dense(
     lora_a: jax.Array,
     lora_b: jax.Array,
     scale: float,
-    dtype: Any,
-    precision: Any = None,
+    dtype: Dtype,
+    precision: PrecisionLike = None,
 ) -> jax.Array:
     """``y + scale * (x @ lora_a @ lora_b)``, the products in `dtype`, the sum in `y`'s dtype.
 
@@ -84,12 +85,12 @@ def lora_conv(
     lora_a: jax.Array,
     lora_b: jax.Array,
     scale: float,
-    dtype: Any,
+    dtype: Dtype,
     strides: tuple[int, ...],
     padding: Any,
     dilation: tuple[int, ...],
     input_dilation: tuple[int, ...] | None = None,
-    precision: Any = None,
+    precision: PrecisionLike = None,
 ) -> jax.Array:
     """``y + scale * conv(x, lora_a) @ lora_b``, the products in `dtype`, the sum in `y`'s dtype.
 
@@ -207,51 +208,13 @@ class LoRA(Module):
         alpha: float | None = None,
         a_init: Initializer = initializers.he_uniform(),
         b_init: Initializer = initializers.zeros(),
-        dtype: Any = None,
-        param_dtype: Any = None,
+        dtype: Dtype = None,
+        param_dtype: Dtype = None,
     ):
         super().__init__()
-        if not isinstance(base, (Dense, Conv)):
-            hint = ""
-            if isinstance(base, LoRA):
-                hint = " It is already a LoRA; give the rank you want to one LoRA instead."
-            raise TypeError(
-                f"LoRA adapts a Dense or a Conv (groups=1) layer, got {type(base).__name__}.{hint}"
-            )
-        where = f"{type(self).__name__}({base._describe()}, rank={rank!r})"
-        if isinstance(base, Conv) and base.groups != 1:
-            raise ValueError(
-                f"{where}: the base Conv has groups={base.groups}; LoRA supports groups=1 only "
-                f"(a grouped kernel has no single low-rank update)."
-            )
-        if isinstance(base, Conv) and base.mask is not None:
-            raise ValueError(
-                f"{where}: the base Conv has a mask; LoRA adapts unmasked Convs only: its "
-                f"update, conv(x, lora_a) @ lora_b, is not masked, so it would undo what the "
-                f"mask keeps out (e.g. causality). Adapt an unmasked Conv."
-            )
-        rank = _checks.positive_int(where, "rank", rank)
-        if isinstance(base, Conv):
-            fan_in = math.prod(base.kernel_size) * base.in_size
-            bound = f"min(prod(kernel_size) * in_size, out_size) = min({fan_in}, {base.out_size})"
-        else:
-            fan_in = base.in_size
-            bound = f"min(in_size, out_size) = min({fan_in}, {base.out_size})"
-        max_rank = min(fan_in, base.out_size)
-        if rank > max_rank:
-            raise ValueError(
-                f"{where}: rank must be at most {bound} = {max_rank}, the largest rank the "
-                f"base's weight can have; a larger rank only adds parameters. Use rank <= "
-                f"{max_rank}."
-            )
-        if alpha is None:
-            alpha = rank
-        if not _checks.is_real(alpha) or not (alpha > 0 and math.isfinite(alpha)):
-            error = ValueError if _checks.is_real(alpha) else _checks.SettingTypeError
-            raise error(
-                f"{where}: alpha must be a positive number (the update is scaled by "
-                f"alpha / rank), got {alpha!r}."
-            )
+        where = _check_base(type(self).__name__, base, rank)
+        rank = _checked_rank(where, base, rank)
+        alpha = _checked_alpha(where, rank if alpha is None else alpha)
         self.base = base
         self.rank = rank
         self.alpha = float(alpha)
@@ -264,6 +227,11 @@ class LoRA(Module):
             if param_dtype is None
             else _dtypes.storage_dtype(where, param_dtype, self.dtype)
         )
+        self._declare_adapter(where, a_init, b_init)
+
+    def _declare_adapter(self, where: str, a_init: Initializer, b_init: Initializer) -> None:
+        """Declares ``lora_a`` and ``lora_b``, sharded as the base's kernel's in and out axes."""
+        base, rank = self.base, self.rank
         window = base.kernel_size if isinstance(base, Conv) else ()
         a_init = _checks.initializer(where, "a_init", a_init)
         b_init = _checks.initializer(where, "b_init", b_init)
@@ -413,7 +381,7 @@ def _replace_loras(root: Module, loras: list[tuple[Path, LoRA]]) -> Module:
     # used elsewhere. Then put the bases where the placeholders are.
     placeholders = {id(lora): Module() for _, lora in loras}
     substitute(root, placeholders)
-    for path, node in walk(root):
+    for path, node, _ in walk(root):
         if id(node) in owners:
             raise ValueError(
                 f"merge_lora: the base kernel of the LoRA at {format_path(owners[id(node)])} is "
@@ -423,3 +391,57 @@ def _replace_loras(root: Module, loras: list[tuple[Path, LoRA]]) -> Module:
             )
     substitute(root, {id(placeholders[id(lora)]): lora.base for _, lora in loras})
     return root
+
+
+def _check_base(cls: str, base: Any, rank: Any) -> str:
+    """Checks that `base` is a layer LoRA adapts; returns how messages name the adapter."""
+    if not isinstance(base, (Dense, Conv)):
+        hint = ""
+        if isinstance(base, LoRA):
+            hint = " It is already a LoRA; give the rank you want to one LoRA instead."
+        raise TypeError(
+            f"LoRA adapts a Dense or a Conv (groups=1) layer, got {type(base).__name__}.{hint}"
+        )
+    where = f"{cls}({base._describe()}, rank={rank!r})"
+    if isinstance(base, Conv) and base.groups != 1:
+        raise ValueError(
+            f"{where}: the base Conv has groups={base.groups}; LoRA supports groups=1 only "
+            f"(a grouped kernel has no single low-rank update)."
+        )
+    if isinstance(base, Conv) and base.mask is not None:
+        raise ValueError(
+            f"{where}: the base Conv has a mask; LoRA adapts unmasked Convs only: its "
+            f"update, conv(x, lora_a) @ lora_b, is not masked, so it would undo what the "
+            f"mask keeps out (e.g. causality). Adapt an unmasked Conv."
+        )
+    return where
+
+
+def _checked_rank(where: str, base: Dense | Conv, rank: Any) -> int:
+    """`rank`, a positive int no larger than the largest rank of the base's weight."""
+    rank = _checks.positive_int(where, "rank", rank)
+    if isinstance(base, Conv):
+        fan_in = math.prod(base.kernel_size) * base.in_size
+        bound = f"min(prod(kernel_size) * in_size, out_size) = min({fan_in}, {base.out_size})"
+    else:
+        fan_in = base.in_size
+        bound = f"min(in_size, out_size) = min({fan_in}, {base.out_size})"
+    max_rank = min(fan_in, base.out_size)
+    if rank > max_rank:
+        raise ValueError(
+            f"{where}: rank must be at most {bound} = {max_rank}, the largest rank the "
+            f"base's weight can have; a larger rank only adds parameters. Use rank <= "
+            f"{max_rank}."
+        )
+    return rank
+
+
+def _checked_alpha(where: str, alpha: Any) -> Any:
+    """`alpha`, a positive finite number (the update is scaled by ``alpha / rank``)."""
+    if not _checks.is_real(alpha) or not (alpha > 0 and math.isfinite(alpha)):
+        error = ValueError if _checks.is_real(alpha) else _checks.SettingTypeError
+        raise error(
+            f"{where}: alpha must be a positive number (the update is scaled by "
+            f"alpha / rank), got {alpha!r}."
+        )
+    return alpha

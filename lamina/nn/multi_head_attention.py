@@ -36,102 +36,27 @@ cached keys and values are left unchanged.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
 from .. import initializers
-from .._core.checks import check_cast
 from .._core.module import Module
-from ..records.records import sow
-from .._core.rng import next_rng_key
-from .._core.variables import Cache, Initializer, Parameter, State
+from .._core.types import Dtype, Initializer, PrecisionLike
+from .._core.variables import Cache, Parameter, State
 from . import _checks, _dtypes
-from ._projections import Projection, dense_general
+from ._projections import Projection, dense_general, project_heads_out, project_qkv
 from .attention import check_broadcast, check_key, check_mask, dot_product_attention
-from .norm import LayerNorm
-
-
-@functools.partial(jax.jit, static_argnames=("dtypes", "precision"))
-def _project(
-    inputs: tuple[jax.Array, jax.Array, jax.Array],
-    params: tuple[tuple[jax.Array, jax.Array | None], ...],
-    dtypes: tuple[Any, Any, Any],
-    precision: Any,
-) -> tuple[jax.Array, ...]:
-    """The query, key and value projections (Linen's three ``DenseGeneral``), in one call."""
-    return tuple(
-        dense_general(x, kernel, bias, 1, dtype, precision)
-        for x, (kernel, bias), dtype in zip(inputs, params, dtypes, strict=True)
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("num_heads", "q_len", "causal"))
-def _cache_and_mask(
-    key: jax.Array,
-    value: jax.Array,
-    mask: jax.Array | None,
-    cache: tuple[jax.Array, jax.Array, jax.Array] | None,
-    num_heads: int,
-    q_len: int,
-    causal: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array | None, tuple | None, jax.Array | None]:
-    """Writes this step's keys and values to the cache (`cache`), and builds the mask.
-
-    Returns the keys and values to attend to, the mask (`mask` and the causal or cached
-    positions' mask), the new cache and whether the step fitted in it (None without a cache).
-    """
-    batch = key.shape[:-3]
-    if mask is not None:
-        mask = jnp.asarray(mask).astype(bool)
-    if cache is None:
-        if causal:
-            kv_len = key.shape[-3]
-            allowed = jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None]
-            mask = _and_masks(mask, allowed, (*batch, num_heads, q_len, kv_len))
-        return key, value, mask, None, None
-    cached_key, cached_value, index = cache
-    max_length = cached_key.shape[-3]
-    fits = (index >= 0) & (index <= max_length - q_len)  # no int32 wrap of index + q_len
-    zero = jnp.zeros((), index.dtype)
-    starts = (zero,) * len(batch) + (index, zero, zero)
-    # The cache keeps its own dtype (the compute dtype, or param_dtype with dtype=None).
-    key, value = key.astype(cached_key.dtype), value.astype(cached_value.dtype)
-    # Past max_length (traced index only: eagerly it raised before) write back what is
-    # there, so the cache is unchanged; dynamic_slice clamps `starts` as the update does.
-    key = jnp.where(fits, key, lax.dynamic_slice(cached_key, starts, key.shape))
-    value = jnp.where(fits, value, lax.dynamic_slice(cached_value, starts, value.shape))
-    key = lax.dynamic_update_slice(cached_key, key, starts)
-    value = lax.dynamic_update_slice(cached_value, value, starts)
-    positions = index + jnp.arange(q_len, dtype=index.dtype)
-    allowed = jnp.arange(max_length, dtype=index.dtype)[None, :] <= positions[:, None]
-    mask = _and_masks(mask, allowed, (*batch, num_heads, q_len, max_length))
-    return key, value, mask, (key, value, index + q_len), fits
-
-
-@functools.partial(jax.jit, static_argnames=("dtype", "precision"))
-def _output(
-    x: jax.Array,
-    kernel: jax.Array,
-    bias: jax.Array | None,
-    fits: jax.Array | None,
-    dtype: Any,
-    precision: Any,
-) -> jax.Array:
-    """The output projection of the heads; NaN where a decoding step overflowed the cache."""
-    out = dense_general(x, kernel, bias, 2, dtype, precision)
-    return out if fits is None else jnp.where(fits, out, jnp.nan)
-
-
-def _and_masks(mask: jax.Array | None, allowed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    allowed = jnp.broadcast_to(allowed, shape)
-    return allowed if mask is None else jnp.logical_and(jnp.broadcast_to(mask, shape), allowed)
+from .attention_arguments import accepted_arguments, call_attention_fn, function_name
+from .attention_decoding import (
+    cache_and_mask,
+    check_cache_kind,
+    check_decoding_step,
+    checked_decode_shape,
+)
+from .layer_normalization import LayerNorm
 
 
 class MultiHeadAttention(Module):
@@ -280,9 +205,9 @@ class MultiHeadAttention(Module):
         bias_sharding: Sequence[str | None] | None = None,
         out_kernel_sharding: Sequence[str | None] | None = None,
         out_bias_sharding: Sequence[str | None] | None = None,
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
-        precision: Any = None,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = None,
+        precision: PrecisionLike = None,
         broadcast_dropout: bool = True,
         force_fp32_for_softmax: bool = False,
         attention_fn: Callable[..., jax.Array] = dot_product_attention,
@@ -290,6 +215,35 @@ class MultiHeadAttention(Module):
         decode_shape: Sequence[int] | None = None,
     ):
         super().__init__()
+        self._set_sizes(num_heads, in_size, qkv_size, out_size, key_size, value_size)
+        self._set_options(
+            dropout_rate,
+            use_bias,
+            dtype,
+            param_dtype,
+            precision,
+            broadcast_dropout,
+            force_fp32_for_softmax,
+            attention_fn,
+            normalize_qk,
+        )
+        self._declare_projections(
+            (kernel_init, bias_init, out_kernel_init, out_bias_init),
+            (kernel_sharding, bias_sharding, out_kernel_sharding, out_bias_sharding),
+        )
+        self._declare_qk_norms()
+        self._declare_cache(decode_shape)
+
+    def _set_sizes(
+        self,
+        num_heads: int,
+        in_size: int,
+        qkv_size: int | None,
+        out_size: int | None,
+        key_size: int | None,
+        value_size: int | None,
+    ) -> None:
+        """Checks and sets the number of heads and the sizes (defaults: `in_size`), `head_dim`."""
         name = type(self).__name__
         self.num_heads = _checks.positive_int(name, "num_heads", num_heads)
         self.in_size = _checks.positive_int(name, "in_size", in_size)
@@ -308,6 +262,21 @@ class MultiHeadAttention(Module):
                 f"features, so choose qkv_size as a multiple of num_heads."
             )
         self.head_dim = self.qkv_size // self.num_heads
+
+    def _set_options(
+        self,
+        dropout_rate: float,
+        use_bias: bool,
+        dtype: Dtype,
+        param_dtype: Dtype,
+        precision: PrecisionLike,
+        broadcast_dropout: bool,
+        force_fp32_for_softmax: bool,
+        attention_fn: Callable[..., jax.Array],
+        normalize_qk: bool,
+    ) -> None:
+        """Checks and sets the options of the attention: dropout, dtypes, `attention_fn`..."""
+        name = type(self).__name__
         self.dropout_rate = _checks.non_negative(name, "dropout_rate", dropout_rate, below=1.0)
         self.use_bias = _checks.flag(name, "use_bias", use_bias)
         self.dtype = _dtypes.layer_dtype(name, dtype)
@@ -320,8 +289,22 @@ class MultiHeadAttention(Module):
         self.attention_fn = _checks.function(
             name, "attention_fn", attention_fn, "lm.dot_product_attention"
         )
-        _accepted(name, self.attention_fn)  # its signature must be readable
+        accepted_arguments(name, self.attention_fn)  # its signature must be readable
         self.normalize_qk = _checks.flag(name, "normalize_qk", normalize_qk)
+
+    def _declare_projections(
+        self,
+        inits: tuple[Initializer, Initializer, Initializer | None, Initializer | None],
+        shardings: tuple[Sequence[str | None] | None, ...],
+    ) -> None:
+        """Declares the ``query``, ``key``, ``value`` and ``out`` projections (Linen's).
+
+        `inits` is ``(kernel_init, bias_init, out_kernel_init, out_bias_init)``, the output's
+        None for the others'; `shardings` the four shardings in that order.
+        """
+        name = type(self).__name__
+        kernel_init, bias_init, out_kernel_init, out_bias_init = inits
+        kernel_sharding, bias_sharding, out_kernel_sharding, out_bias_sharding = shardings
         kernel_init = _checks.initializer(name, "kernel_init", kernel_init)
         bias_init = _checks.initializer(name, "bias_init", bias_init)
         out_kernel_init = kernel_init if out_kernel_init is None else out_kernel_init
@@ -365,16 +348,28 @@ class MultiHeadAttention(Module):
             out_kernel_names,
             out_bias_names,
         )
-        # Linen's LayerNorms of the queries and keys per head (ViT-22B's QK normalisation).
+
+    def _declare_qk_norms(self) -> None:
+        """Linen's LayerNorms of the queries and keys per head (ViT-22B's QK normalisation)."""
         self.query_ln: LayerNorm | None = None
         self.key_ln: LayerNorm | None = None
         if self.normalize_qk:
             self.query_ln, self.key_ln = (
-                LayerNorm(self.head_dim, use_bias=False, dtype=dtype, param_dtype=param_dtype)
+                LayerNorm(
+                    self.head_dim,
+                    use_bias=False,
+                    dtype=self.dtype,
+                    param_dtype=self.param_dtype,
+                )
                 for _ in range(2)
             )
 
-        self.decode_shape = None if decode_shape is None else _decode_shape(name, decode_shape)
+    def _declare_cache(self, decode_shape: Sequence[int] | None) -> None:
+        """Checks `decode_shape` and declares the decoding cache (three `Cache`), or None."""
+        name = type(self).__name__
+        self.decode_shape = (
+            None if decode_shape is None else checked_decode_shape(name, decode_shape)
+        )
         # The cache: three Cache declarations when decoding, else None (Any: read only then).
         self.cached_key: Any
         self.cached_value: Any
@@ -382,7 +377,7 @@ class MultiHeadAttention(Module):
         if self.decode_shape is None:
             self.cached_key = self.cached_value = self.cache_index = None
         else:
-            cache_shape = (*self.decode_shape, *heads)
+            cache_shape = (*self.decode_shape, self.num_heads, self.head_dim)
             zeros = initializers.zeros()
             cache_dtype = self.param_dtype if self.dtype is None else self.dtype
             self.cached_key = Cache(cache_shape, zeros, cache_dtype)
@@ -432,32 +427,12 @@ class MultiHeadAttention(Module):
             ``(batch..., q_length, out_size)``.
         """
         name = type(self).__name__
-        _checks.python_bool(
+        _checks.static_flags(
             name, causal=causal, is_training=is_training, decode=decode, sow_weights=sow_weights
         )
-        if inputs_k is None:
-            if inputs_v is not None:
-                raise ValueError(
-                    f"{name}: inputs_v was given without inputs_k. Pass inputs_k too; to use "
-                    f"the same array for keys and values, pass it as inputs_k alone."
-                )
-            inputs_k = inputs_q
-        if inputs_v is None:
-            inputs_v = inputs_k
-        q_shape = _check_input("inputs_q", inputs_q, "in_size", self.in_size)
-        k_shape = _check_input("inputs_k", inputs_k, "key_size", self.key_size)
-        v_shape = _check_input("inputs_v", inputs_v, "value_size", self.value_size)
+        inputs = self._inputs(inputs_q, inputs_k, inputs_v)
+        q_shape, k_shape = tuple(jnp.shape(inputs[0])), tuple(jnp.shape(inputs[1]))
         batch, q_len = q_shape[:-2], q_shape[-2]
-        if not k_shape[:-2] == v_shape[:-2] == batch:
-            raise ValueError(
-                f"{name}: inputs_q, inputs_k and inputs_v must have the same batch shape "
-                f"(all axes but the last two); got shapes {q_shape}, {k_shape} and {v_shape}."
-            )
-        if k_shape[-2] != v_shape[-2]:
-            raise ValueError(
-                f"{name}: inputs_k and inputs_v must have the same length (axis -2); got "
-                f"shapes {k_shape} and {v_shape}."
-            )
         cache = None
         kv_len = k_shape[-2]
         if decode:
@@ -470,7 +445,55 @@ class MultiHeadAttention(Module):
         if dropout_rng is not None:
             check_key(name, "dropout_rng", dropout_rng)
 
-        inputs = (inputs_q, inputs_k, inputs_v)
+        query, key, value = self._project_inputs(inputs)
+        if self.query_ln is not None and self.key_ln is not None:
+            query, key = self.query_ln(query), self.key_ln(key)
+        fits = None
+        if cache is not None:
+            check_cache_kind(self, key, value)
+        if cache is not None or causal or mask is not None:
+            key, value, mask, new_cache, fits = cache_and_mask(
+                key, value, mask, cache, self.num_heads, q_len, causal and not decode
+            )
+            if new_cache is not None:
+                self.cached_key.value, self.cached_value.value, self.cache_index.value = new_cache
+        x = call_attention_fn(self, query, key, value, mask, is_training, dropout_rng, sow_weights)
+        return self._project_output(x, (*batch, q_len), fits)
+
+    def _inputs(
+        self, inputs_q: jax.Array, inputs_k: jax.Array | None, inputs_v: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The queries', keys' and values' inputs (defaults filled in), their shapes checked."""
+        name = type(self).__name__
+        if inputs_k is None:
+            if inputs_v is not None:
+                raise ValueError(
+                    f"{name}: inputs_v was given without inputs_k. Pass inputs_k too; to use "
+                    f"the same array for keys and values, pass it as inputs_k alone."
+                )
+            inputs_k = inputs_q
+        if inputs_v is None:
+            inputs_v = inputs_k
+        q_shape = _check_input("inputs_q", inputs_q, "in_size", self.in_size)
+        k_shape = _check_input("inputs_k", inputs_k, "key_size", self.key_size)
+        v_shape = _check_input("inputs_v", inputs_v, "value_size", self.value_size)
+        batch = q_shape[:-2]
+        if not k_shape[:-2] == v_shape[:-2] == batch:
+            raise ValueError(
+                f"{name}: inputs_q, inputs_k and inputs_v must have the same batch shape "
+                f"(all axes but the last two); got shapes {q_shape}, {k_shape} and {v_shape}."
+            )
+        if k_shape[-2] != v_shape[-2]:
+            raise ValueError(
+                f"{name}: inputs_k and inputs_v must have the same length (axis -2); got "
+                f"shapes {k_shape} and {v_shape}."
+            )
+        return inputs_q, inputs_k, inputs_v
+
+    def _project_inputs(
+        self, inputs: tuple[jax.Array, jax.Array, jax.Array]
+    ) -> tuple[jax.Array, ...]:
+        """The queries, keys and values in heads: ``(batch..., length, num_heads, head_dim)``."""
         layers = (self.query, self.key, self.value)
         heads = (self.num_heads, self.head_dim)
         if all(type(layer) is Projection for layer in layers):
@@ -483,40 +506,37 @@ class MultiHeadAttention(Module):
                 _dtypes.compute_dtype(self, self.dtype, x, *p)
                 for x, p in zip(inputs, projections, strict=True)
             )
-            query, key, value = _project(inputs, projections, dtypes, self.precision)
-        else:
-            names = ("query", "key", "value")
-            query, key, value = (
-                self._projected(name, layer, x, 1, (*jnp.shape(x)[:-1], *heads))
-                for name, layer, x in zip(names, layers, inputs, strict=True)
-            )
-        if self.query_ln is not None and self.key_ln is not None:
-            query, key = self.query_ln(query), self.key_ln(key)
-        fits = None
-        if cache is not None:
-            self._check_cache_kind(key, value)
-        if cache is not None or causal or mask is not None:
-            key, value, mask, new_cache, fits = _cache_and_mask(
-                key, value, mask, cache, self.num_heads, q_len, causal and not decode
-            )
-            if new_cache is not None:
-                self.cached_key.value, self.cached_value.value, self.cache_index.value = new_cache
-        x = self._attend(query, key, value, mask, is_training, dropout_rng, sow_weights)
-        expected = (*batch, q_len, self.num_heads, self.head_dim)
+            return project_qkv(inputs, projections, dtypes, self.precision)
+        names = ("query", "key", "value")
+        return tuple(
+            self._projected(name, layer, x, 1, (*jnp.shape(x)[:-1], *heads))
+            for name, layer, x in zip(names, layers, inputs, strict=True)
+        )
+
+    def _project_output(
+        self, x: jax.Array, positions: tuple[int, ...], fits: jax.Array | None
+    ) -> jax.Array:
+        """The output projection of the heads `x` (checked: `attention_fn` returned them).
+
+        `positions` is ``(*batch, q_length)``; the outputs are NaN where a decoding step
+        overflowed the cache (`fits` False).
+        """
+        name = type(self).__name__
+        expected = (*positions, self.num_heads, self.head_dim)
         if tuple(jnp.shape(x)) != expected:
             raise ValueError(
-                f"{name}: attention_fn={_fn_name(self.attention_fn)} returned shape "
+                f"{name}: attention_fn={function_name(self.attention_fn)} returned shape "
                 f"{tuple(jnp.shape(x))}, but the output projection takes the heads' shape "
                 f"(batch..., q_length, num_heads, head_dim) = {expected}. An attention_fn "
                 f"returns one vector per query position and head, as "
                 f"lm.dot_product_attention."
             )
         if type(self.out) is not Projection:
-            out = self._projected("out", self.out, x, 2, (*batch, q_len, self.out_size))
+            out = self._projected("out", self.out, x, 2, (*positions, self.out_size))
             return out if fits is None else jnp.where(fits, out, jnp.nan)
         kernel, bias = self._arrays("out")
         dtype = _dtypes.compute_dtype(self, self.dtype, x, kernel, bias)
-        return _output(x, kernel, bias, fits, dtype, self.precision)
+        return project_heads_out(x, kernel, bias, fits, dtype, self.precision)
 
     def _projected(
         self, name: str, layer: Any, x: jax.Array, n_contract: int, expected: tuple[int, ...]
@@ -546,54 +566,6 @@ class MultiHeadAttention(Module):
                 f"output shape of the projection it replaces."
             )
         return y
-
-    def _attend(
-        self,
-        query: jax.Array,
-        key: jax.Array,
-        value: jax.Array,
-        mask: jax.Array | None,
-        is_training: bool,
-        dropout_rng: Any,
-        sow_weights: bool,
-    ) -> jax.Array:
-        """Calls `attention_fn` with the keyword arguments it names (see `_accepted`)."""
-        training = is_training and self.dropout_rate > 0.0
-        if training and dropout_rng is None:
-            dropout_rng = next_rng_key("dropout")
-        offered = {
-            "mask": mask,
-            "dropout_rng": dropout_rng if training else None,
-            # Not training, the rate does not matter: 0.0 lets layers that differ only in
-            # their rate share one compiled program.
-            "dropout_rate": self.dropout_rate if training else 0.0,
-            "broadcast_dropout": self.broadcast_dropout,
-            "is_training": training,
-            "deterministic": not training,
-            "dtype": self.dtype,
-            "precision": self.precision,
-            "force_fp32_for_softmax": self.force_fp32_for_softmax,
-            "sow_weights": sow_weights,
-            "module": _Sower() if sow_weights else None,
-        }
-        accepted = _accepted(type(self).__name__, self.attention_fn)
-        needed = (
-            (mask is not None, ("mask",), "a mask (mask=, causal=True or decode=True)"),
-            (training, ("dropout_rng",), "dropout (is_training=True and a dropout_rate)"),
-            (training, ("dropout_rate",), "dropout (is_training=True and a dropout_rate)"),
-            (training, ("is_training", "deterministic"), "dropout (is_training=True)"),
-            (sow_weights, ("sow_weights", "module"), "sow_weights=True"),
-        )
-        for used, names, what in needed:
-            if used and not accepted & set(names):
-                raise TypeError(
-                    f"{type(self).__name__}: this call has {what}, but attention_fn="
-                    f"{_fn_name(self.attention_fn)} takes no {' or '.join(names)} argument, "
-                    f"so it would be dropped. Give the function that parameter (as "
-                    f"lm.dot_product_attention has), or leave the option out."
-                )
-        kwargs = {k: v for k, v in offered.items() if k in accepted}
-        return self.attention_fn(query, key, value, **kwargs)
 
     def _arrays(self, name: str) -> tuple[jax.Array, jax.Array | None]:
         """The kernel and bias of the projection `name`, the layer's own `Projection`.
@@ -631,167 +603,12 @@ class MultiHeadAttention(Module):
                 )
         return layer.arrays()
 
-    def _check_cache_kind(self, key: jax.Array, value: jax.Array) -> None:
-        """Refuses keys or values whose kind the cache's dtype cannot hold.
-
-        Complex ones in a real cache would lose their imaginary part (`check_cast` says so).
-        The cache stores the compute dtype (`param_dtype` with ``dtype=None``), so a wider
-        float (float32 keys in a bfloat16 cache) is rounded to it, as declared; a change of
-        kind is not a rounding.
-        """
-        for what, array, cached in (
-            ("keys", key, self.cached_key),
-            ("values", value, self.cached_value),
-        ):
-            target = cached.param_dtype
-            if _kind(array.dtype) <= _kind(target):
-                continue
-            message = (
-                f"{_dtypes._name(self)} cannot write this step's {array.dtype} {what} to its "
-                f"decoding cache, stored as {target} (the layer's dtype, or param_dtype with "
-                f"dtype=None; set with dtype={self.dtype}, param_dtype={self.param_dtype}). "
-                f"Build the layer with dtype={array.dtype} (or param_dtype={array.dtype} with "
-                f"dtype=None) to decode {array.dtype} inputs"
-            )
-            check_cast(array, target, functools.partial(str, message))
-
     def _cache_for_step(
         self, batch: tuple[int, ...], q_len: int, k_shape: tuple[int, ...]
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        name = "MultiHeadAttention"
-        if self.decode_shape is None:
-            raise ValueError(
-                f"{name}: decode=True needs a decoding cache, and this layer has none. Build "
-                f"it with decode_shape=(*batch, max_length), e.g. "
-                f"MultiHeadAttention(..., decode_shape=(batch_size, max_length)), and pass "
-                f"the 'cache' collection of init to apply."
-            )
-        *cache_batch, max_length = self.decode_shape
-        if tuple(cache_batch) != batch:
-            raise ValueError(
-                f"{name}: decode=True with inputs of batch shape {batch}, but the cache was "
-                f"sized for batch shape {tuple(cache_batch)} (decode_shape={self.decode_shape})."
-            )
-        if k_shape[-2] != q_len:
-            raise ValueError(
-                f"{name}: with decode=True the keys and values are cached at the queries' "
-                f"positions, so inputs_k must have the queries' length {q_len}; got shape "
-                f"{k_shape}."
-            )
-        index = self.cache_index.value
-        where = _dtypes._name(self)
-
-        def overflow(start: Any) -> str:
-            if start < 0:
-                return (
-                    f"{where}: cache_index is {start}, but it counts the positions written "
-                    f"so far (0 to max_length={max_length}): the 'cache' variables were "
-                    f"edited or corrupted. Start a new sequence with fresh 'cache' variables "
-                    f"(from init, or zeros)."
-                )
-            return (
-                f"{where}: decoding past max_length: cache_index is {start} and this step "
-                f"writes {q_len} position(s), but the cache holds max_length={max_length} "
-                f"(decode_shape={self.decode_shape}). Start a new sequence with fresh "
-                f"'cache' variables, or build the layer with a larger decode_shape."
-            )
-
-        if not isinstance(index, jax.core.Tracer):
-            if not 0 <= int(index) <= max_length - q_len:
-                raise ValueError(overflow(int(index)))
-        else:
-            _check_at_run_time(index, q_len, max_length, overflow)
+        """The cached keys and values and the index, once the step is checked to fit."""
+        index = check_decoding_step(self, batch, q_len, k_shape)
         return self.cached_key.value, self.cached_value.value, index
-
-
-def _kind(dtype: Any) -> int:
-    """0 bool, 1 integer, 2 float, 3 complex: a cast to a lower kind loses a part."""
-    kinds = (jnp.complexfloating, jnp.floating, jnp.integer)
-    return next((3 - i for i, kind in enumerate(kinds) if jnp.issubdtype(dtype, kind)), 0)
-
-
-def _check_at_run_time(
-    index: jax.Array, q_len: int, max_length: int, message: Callable[[Any], str]
-) -> None:
-    """Raises, when the program runs, if a traced `index` is negative or past `max_length`.
-
-    The traced program holds a `lax.cond` whose taken branch calls the host
-    (`jax.debug.callback`) only when the step overflows, so a step that fits costs one
-    comparison on the device. The callback raises `ValueError`; JAX reports it as a
-    `JaxRuntimeError` whose message contains it, from the call (or from the first use of its
-    result, where dispatch is asynchronous). Under `jax.vmap` the branch runs for every
-    member, so the callback checks the values again.
-    """
-
-    def refuse(start: Any) -> None:
-        starts = np.asarray(start, np.int64)
-        wrong = starts[(starts < 0) | (starts > max_length - q_len)]
-        if wrong.size:
-            raise ValueError(message(int(wrong.min() if wrong.min() < 0 else wrong.max())))
-
-    # `max_length - q_len` is a Python int: ``index + q_len`` could wrap past 2**31 - 1.
-    lax.cond(
-        jnp.any((index < 0) | (index > max_length - q_len)),
-        lambda: jax.debug.callback(refuse, index),
-        lambda: None,
-    )
-
-
-# The keyword arguments MultiHeadAttention offers its attention_fn: lamina's names and Linen's.
-_OFFERED = frozenset(
-    (
-        "mask",
-        "dropout_rng",
-        "dropout_rate",
-        "broadcast_dropout",
-        "is_training",
-        "deterministic",
-        "dtype",
-        "precision",
-        "force_fp32_for_softmax",
-        "sow_weights",
-        "module",
-    )
-)
-
-
-def _accepted(where: str, fn: Callable[..., Any]) -> frozenset[str]:
-    """The keyword arguments of `_OFFERED` that `fn`'s signature names.
-
-    As Linen's ``MultiHeadDotProductAttention``, only named parameters count: a ``**kwargs``
-    receives nothing, so a Linen-style function never gets lamina's names (and vice versa).
-    """
-    try:
-        parameters = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"{where}: attention_fn={_fn_name(fn)} has no signature that inspect can read, so "
-            f"the keyword arguments to pass it cannot be chosen. Wrap it in a def naming them, "
-            f"e.g. def attention(query, key, value, mask=None): ..."
-        ) from None
-    return _OFFERED & {
-        name
-        for name, p in parameters.items()
-        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    }
-
-
-def _fn_name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)
-
-
-class _Sower:
-    """The ``module`` a Linen-style attention_fn gets with ``sow_weights=True``.
-
-    Linen's attention functions record with ``module.sow(collection, name, value)``; this
-    records with `lm.sow` under the path of the `MultiHeadAttention` that called them.
-    """
-
-    def sow(
-        self, collection: str, name: str, value: Any, reduce_fn: Any = None, init_fn: Any = None
-    ) -> bool:
-        options = {"reduce_fn": reduce_fn, "init_fn": init_fn}
-        return sow(name, value, collection=collection, **{k: f for k, f in options.items() if f})
 
 
 def _check_input(arg: str, x: Any, setting: str, expected: int) -> tuple[int, ...]:
@@ -802,16 +619,3 @@ def _check_input(arg: str, x: Any, setting: str, expected: int) -> tuple[int, ..
             f"shape {shape}; add a length axis for a single position."
         )
     return _checks.check_last_axis("MultiHeadAttention", x, expected, setting, what=arg)
-
-
-def _decode_shape(where: str, shape: Any) -> tuple[int, ...]:
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        dims = ()
-    if not dims or not all(_checks.is_int(d) and d > 0 for d in dims):
-        raise ValueError(
-            f"{where}: decode_shape must be a non-empty tuple of positive ints, "
-            f"(*batch, max_length); got {shape!r}."
-        )
-    return tuple(int(d) for d in dims)

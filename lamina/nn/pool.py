@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._core.types import PaddingLike
 from . import _checks
-
-PaddingLike = str | int | Sequence[int | Sequence[int]]
 
 
 @functools.partial(jax.jit, static_argnames=("init", "reduce_fn", "window", "strides", "padding"))

@@ -26,7 +26,7 @@ from jax import lax
 from .._core.frame import require_frame
 from .._core.module import Module
 from . import _checks
-from .cells import Carry, _Cell, carry_shapes, compiled_step, promote_carry, tree_shapes
+from .cells import Carry, DenseCell, carry_shapes, compiled_step, promote_carry, tree_shapes
 
 
 @functools.partial(jax.jit, static_argnames=("num_batch_dims", "time_major"))
@@ -296,21 +296,57 @@ class RNN(Module):
             The outputs, with the time axis where the inputs have it; with `return_carry`,
             ``(final_carry, outputs)``.
         """
+        settings = self._call_settings(return_carry, time_major, reverse, keep_order)
+        time_major = settings["time_major"]
+        cell: Any = self.cell  # any module with the cell protocol
+        inputs = jnp.asarray(inputs)
+        feature_axes, time_axis = self._check_inputs(inputs, time_major)
+        shape = tuple(inputs.shape)
+        batch = shape[1 : inputs.ndim - feature_axes] if time_major else shape[:time_axis]
+        # The carry's shape: one step's input without its last axis (the batch, and the
+        # spatial axes of a convolutional cell).
+        carry_batch = (shape[:time_axis] + shape[time_axis + 1 :])[:-1]
+        if seq_lengths is not None:
+            seq_lengths = _checked_seq_lengths(seq_lengths, shape, batch, time_axis, time_major)
+        carry = self._initial_carry(initial_carry, carry_batch, shape, batch, time_major)
+
+        compiled = compiled_step(cell, carry, inputs)
+        if compiled is not None:
+            weights, kernel = compiled
+            carry = promote_carry(carry, kernel.dtype)
+            carry, outputs = rnn_scan(weights, carry, inputs, seq_lengths, kernel, **settings)
+        else:
+            if isinstance(cell, DenseCell):
+                carry = promote_carry(carry, cell.scan_dtype(carry, inputs))
+            carry, outputs = self._scan_cell(
+                cell, carry, inputs, seq_lengths, feature_axes, settings
+            )
+        return (carry, outputs) if settings["return_carry"] else outputs
+
+    def _call_settings(
+        self,
+        return_carry: bool | None,
+        time_major: bool | None,
+        reverse: bool | None,
+        keep_order: bool | None,
+    ) -> dict[str, Any]:
+        """The layer's settings of the scan, with this call's overrides (checked) applied."""
         where = f"{type(self).__name__}.__call__"
         overrides = {"return_carry": return_carry, "time_major": time_major}
         overrides |= {"reverse": reverse, "keep_order": keep_order}
         chosen = {k: v for k, v in overrides.items() if v is not None}
-        _checks.python_bool(where, **chosen)
-        settings = {
+        _checks.static_flags(where, **chosen)
+        return {
             "time_major": self.time_major,
             "reverse": self.reverse,
             "keep_order": self.keep_order,
             "return_carry": self.return_carry,
             "unroll": self.unroll,
         } | chosen
-        time_major = settings["time_major"]
-        cell: Any = self.cell  # any module with the cell protocol
-        inputs = jnp.asarray(inputs)
+
+    def _check_inputs(self, inputs: jax.Array, time_major: bool) -> tuple[int, int]:
+        """Checks the inputs' rank and size for the cell: ``(feature_axes, time_axis)``."""
+        cell: Any = self.cell
         shape = tuple(inputs.shape)
         feature_axes = getattr(cell, "num_feature_axes", 1)
         layout = "(time, *batch, *features)" if time_major else "(*batch, time, *features)"
@@ -324,63 +360,31 @@ class RNN(Module):
         if in_size is not None:
             cell_name = f"RNN({type(cell).__name__}(in_size={in_size}))"
             _checks.check_last_axis(cell_name, inputs, in_size, "in_size", what="inputs")
-        time_axis = 0 if time_major else inputs.ndim - feature_axes - 1
-        batch = shape[1 : inputs.ndim - feature_axes] if time_major else shape[:time_axis]
-        # The carry's shape: one step's input without its last axis (the batch, and the
-        # spatial axes of a convolutional cell).
-        carry_batch = (shape[:time_axis] + shape[time_axis + 1 :])[:-1]
+        return feature_axes, 0 if time_major else inputs.ndim - feature_axes - 1
 
-        if seq_lengths is not None:
-            seq_lengths = jnp.asarray(seq_lengths)
-            if not jnp.issubdtype(seq_lengths.dtype, jnp.integer):
-                raise TypeError(
-                    f"RNN's seq_lengths must be integers, got dtype {seq_lengths.dtype}; "
-                    f"convert with seq_lengths.astype(jnp.int32)."
-                )
-            if tuple(seq_lengths.shape) != batch:
-                raise ValueError(
-                    f"RNN's seq_lengths must have the batch shape {batch} of inputs of shape "
-                    f"{shape} (time_major={time_major}), one length per sequence; got "
-                    f"shape {tuple(seq_lengths.shape)}."
-                )
-            time = shape[time_axis]
-            if _checks.is_concrete(seq_lengths) and seq_lengths.size:
-                values = np.asarray(seq_lengths)  # not a jax op: no tracer under an outer jit
-                low, high = int(values.min()), int(values.max())
-                if low < 0 or high > time:
-                    raise ValueError(
-                        f"RNN's seq_lengths must be in [0, {time}] (the inputs' time axis has "
-                        f"{time} steps, shape {shape}, time_major={time_major}); got "
-                        f"{low if low < 0 else high}. A length counts the valid steps at the "
-                        f"start of a sequence."
-                    )
-
+    def _initial_carry(
+        self,
+        initial_carry: Carry | None,
+        carry_batch: tuple[int, ...],
+        shape: tuple[int, ...],
+        batch: tuple[int, ...],
+        time_major: bool,
+    ) -> Carry:
+        """`initial_carry` checked against the cell's carry, or the cell's zero carry."""
+        cell: Any = self.cell
         if initial_carry is None:
-            carry = cell.initialize_carry(carry_batch)
-        else:
-            carry = initial_carry
-            expected = carry_shapes(cell, carry_batch)
-            got = tree_shapes(carry)
-            if got != expected:
-                raise ValueError(
-                    f"RNN got an initial_carry of shapes {got}, but its cell "
-                    f"{type(cell).__name__} needs a carry of shapes {expected} for inputs of "
-                    f"shape {shape} (batch shape {batch}, time_major={time_major}). "
-                    f"Create one with rnn.cell.initialize_carry({carry_batch})."
-                )
-
-        compiled = compiled_step(cell, carry, inputs)
-        if compiled is not None:
-            weights, kernel = compiled
-            carry = promote_carry(carry, kernel.dtype)
-            carry, outputs = rnn_scan(weights, carry, inputs, seq_lengths, kernel, **settings)
-        else:
-            if isinstance(cell, _Cell):
-                carry = promote_carry(carry, cell.scan_dtype(carry, inputs))
-            carry, outputs = self._scan_cell(
-                cell, carry, inputs, seq_lengths, feature_axes, settings
+            return cell.initialize_carry(carry_batch)
+        carry = initial_carry
+        expected = carry_shapes(cell, carry_batch)
+        got = tree_shapes(carry)
+        if got != expected:
+            raise ValueError(
+                f"RNN got an initial_carry of shapes {got}, but its cell "
+                f"{type(cell).__name__} needs a carry of shapes {expected} for inputs of "
+                f"shape {shape} (batch shape {batch}, time_major={time_major}). "
+                f"Create one with rnn.cell.initialize_carry({carry_batch})."
             )
-        return (carry, outputs) if settings["return_carry"] else outputs
+        return carry
 
     def _scan_cell(
         self,
@@ -441,3 +445,37 @@ class RNN(Module):
             outputs, produced = outputs
             outer.absorb(inner[0], produced, inside)
         return carry, outputs
+
+
+def _checked_seq_lengths(
+    seq_lengths: Any,
+    shape: tuple[int, ...],
+    batch: tuple[int, ...],
+    time_axis: int,
+    time_major: bool,
+) -> jax.Array:
+    """`seq_lengths` as an integer array of the batch shape, in ``[0, time]`` when concrete."""
+    seq_lengths = jnp.asarray(seq_lengths)
+    if not jnp.issubdtype(seq_lengths.dtype, jnp.integer):
+        raise TypeError(
+            f"RNN's seq_lengths must be integers, got dtype {seq_lengths.dtype}; "
+            f"convert with seq_lengths.astype(jnp.int32)."
+        )
+    if tuple(seq_lengths.shape) != batch:
+        raise ValueError(
+            f"RNN's seq_lengths must have the batch shape {batch} of inputs of shape "
+            f"{shape} (time_major={time_major}), one length per sequence; got "
+            f"shape {tuple(seq_lengths.shape)}."
+        )
+    time = shape[time_axis]
+    if _checks.is_concrete(seq_lengths) and seq_lengths.size:
+        values = np.asarray(seq_lengths)  # not a jax op: no tracer under an outer jit
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high > time:
+            raise ValueError(
+                f"RNN's seq_lengths must be in [0, {time}] (the inputs' time axis has "
+                f"{time} steps, shape {shape}, time_major={time_major}); got "
+                f"{low if low < 0 else high}. A length counts the valid steps at the "
+                f"start of a sequence."
+            )
+    return seq_lengths

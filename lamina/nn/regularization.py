@@ -74,7 +74,7 @@ def dropout(
     """
     where = "dropout"
     rate = _checks.non_negative(where, "rate", rate, at_most=1.0)
-    _checks.python_bool(where, is_training=is_training)
+    _checks.static_flags(where, is_training=is_training)
     dims = _broadcast_dims(where, broadcast_dims)
     stream = _stream(where, stream)
     dtype = jnp.result_type(x)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..lift.lift import Carry, checkpoint, scan
 from .._core.module import Module
+from ..lift import Carry, checkpoint, scan
 from . import _checks
 
 

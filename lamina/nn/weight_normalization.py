@@ -29,13 +29,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import initializers
-from .._core.errors import format_path
+from .._core.checks import format_path
 from .._core.graph import walk
 from .._core.module import Module
-from ._substitution import substituted
-from .._core.variables import BatchStat, Initializer, Parameter, State
+from .._core.types import Dtype, Initializer
+from .._core.variables import BatchStat, Parameter, State
 from . import _checks, _dtypes
-from .norm import _show, axes_setting, promote
+from ._substitution import substituted
+from .normalization import axes_setting, promote, show_axes
 
 ParameterPath = tuple[str, ...]
 
@@ -47,7 +48,7 @@ def _l2_normalize(x: jax.Array, axes: tuple[int, ...] | None, epsilon: float) ->
 
 @functools.partial(jax.jit, static_argnames=("n_steps", "epsilon", "dtype"))
 def spectral_normalize(
-    value: jax.Array, u: jax.Array, *, n_steps: int, epsilon: float, dtype: Any
+    value: jax.Array, u: jax.Array, *, n_steps: int, epsilon: float, dtype: Dtype
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`value` divided by its largest singular value, estimated by power iteration.
 
@@ -82,7 +83,7 @@ def weight_normalize(
     *,
     feature_axes: tuple[int, ...] | None,
     epsilon: float,
-    dtype: Any,
+    dtype: Dtype,
 ) -> jax.Array:
     """`value` with unit L2 norm over every axis but `feature_axes`, times `scale`.
 
@@ -111,7 +112,7 @@ class _WeightWrapper(Module):
     param_dtype = _checks.Setting()
     layer: Any  # the wrapped module, called with the wrapper's arguments
 
-    def __init__(self, layer: Module, dtype: Any, param_dtype: Any):
+    def __init__(self, layer: Module, dtype: Dtype, param_dtype: Dtype):
         super().__init__()
         where = type(self).__name__
         if not isinstance(layer, Module) or not callable(layer):
@@ -164,7 +165,7 @@ def parameters(layer: Module) -> list[tuple[ParameterPath, State]]:
     """The parameters (immutable ``params`` variables) under `layer`, with their paths in it."""
     return [
         (tuple(str(k) for k in path), node)
-        for path, node in walk(layer)
+        for path, node, _ in walk(layer)
         if isinstance(node, State) and node.collection == "params" and not node.mutable
     ]
 
@@ -251,8 +252,8 @@ class SpectralNorm(_WeightWrapper):
         epsilon: float = 1e-12,
         error_on_non_matrix: bool = False,
         collection_name: str = "batch_stats",
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = None,
     ):
         super().__init__(layer, dtype, param_dtype)
         where = type(self).__name__
@@ -298,7 +299,7 @@ class SpectralNorm(_WeightWrapper):
 
     def __call__(self, *args: Any, update_stats: bool, **kwargs: Any) -> Any:
         """Calls the layer on `args` and `kwargs` with its weights spectrally normalised."""
-        _checks.python_bool(type(self).__name__, update_stats=update_stats)
+        _checks.static_flags(type(self).__name__, update_stats=update_stats)
         normalized = functools.partial(self._normalized, update_stats=update_stats)
         return self._call_layer(normalized, args, kwargs)
 
@@ -377,8 +378,8 @@ class WeightNorm(_WeightWrapper):
         scale_init: Initializer = initializers.ones(),
         feature_axes: int | Sequence[int] | None = -1,
         variable_filter: Sequence[str] | None = ("kernel",),
-        dtype: Any = jnp.float32,
-        param_dtype: Any = None,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = None,
     ):
         super().__init__(layer, dtype, param_dtype)
         where = type(self).__name__
@@ -418,14 +419,14 @@ class WeightNorm(_WeightWrapper):
         ndim = len(shape)
         if not all(-ndim <= a < ndim for a in self.feature_axes):
             raise ValueError(
-                f"{type(self).__name__}: feature_axes={_show(self.feature_axes)} is out of "
+                f"{type(self).__name__}: feature_axes={show_axes(self.feature_axes)} is out of "
                 f"range for the layer's parameter {'/'.join(path)} of shape {shape}. Give "
                 f"axes every chosen parameter has (variable_filter chooses them), or None."
             )
         axes = sorted({a % ndim for a in self.feature_axes})
         if len(axes) != len(self.feature_axes):
             raise ValueError(
-                f"{type(self).__name__}: feature_axes={_show(self.feature_axes)} names the "
+                f"{type(self).__name__}: feature_axes={show_axes(self.feature_axes)} names the "
                 f"same axis twice for the parameter {'/'.join(path)} of shape {shape}."
             )
         return tuple(axes)

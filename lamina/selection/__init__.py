@@ -1,4 +1,13 @@
-"""Filters and selection: which variables a filter names, split/merge/mask, grad by filter."""
+"""Selection: which of a model's variables a filter names, and what to do with them.
+
+A room beside the core that reads a model's `Plan` (its declarations, paths and modules) and
+the variables dict; it stores nothing. `filters.py` holds the filter language
+(`to_predicate`, `WithTag`, `OfType`...); `partition.py` groups variables by filters
+(`split`, `merge`, `filter_variables`, `mask`); `autodiff.py` differentiates part of a
+variables argument (`DiffState`, `grad`, `value_and_grad`); `submodule.py` takes a
+submodule's slice of the variables out and puts it back (`take_variables`,
+`put_variables`). It imports only the core.
+"""
 
 from .autodiff import DiffState as DiffState
 from .autodiff import grad as grad
@@ -12,9 +21,9 @@ from .filters import OfType as OfType
 from .filters import PathContains as PathContains
 from .filters import WithTag as WithTag
 from .filters import to_predicate as to_predicate
-from .split import filter_variables as filter_variables
-from .split import mask as mask
-from .split import merge as merge
-from .split import split as split
+from .partition import filter_variables as filter_variables
+from .partition import mask as mask
+from .partition import merge as merge
+from .partition import split as split
 from .submodule import put_variables as put_variables
 from .submodule import take_variables as take_variables

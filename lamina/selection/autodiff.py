@@ -17,13 +17,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._core.errors import format_list
-from .filters import Filter, Predicate, describe, to_predicate
+from .._core.checks import format_list
 from .._core.graph import Plan, VariableEntry
 from .._core.layout import nest, present_variables
 from .._core.module import Module
-from .split import matches, merge, nothing_selected
+from .._core.types import Variables
 from .._core.variables import Parameter
+from .filters import Filter, Predicate, describe, to_predicate
+from .partition import matches, merge, nothing_selected
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,27 +127,10 @@ def _value_and_grad(
 ) -> Callable[..., Any]:
     if not callable(fn):
         raise TypeError(f"{what} differentiates a function; got {type(fn).__name__} {fn!r}.")
-    given: tuple[Any, ...] = tuple(argnums) if isinstance(argnums, (tuple, list)) else (argnums,)
-    for spec in given:
-        if not isinstance(spec, (int, DiffState)) or isinstance(spec, bool):
-            raise TypeError(
-                f"argnums takes ints (a whole argument, as jax.grad) and lm.DiffState(argnum, "
-                f"filter) (part of a variables argument); got {spec!r}."
-            )
-    specs: tuple[int | DiffState, ...] = given
-    if not specs:
-        raise ValueError(f"{what}: argnums is empty; name at least one argument.")
+    specs = _argnum_specs(argnums, what)
     argnum_of = [s.argnum if isinstance(s, DiffState) else s for s in specs]
-    if len(set(argnum_of)) != len(argnum_of):
-        raise ValueError(f"argnums lists argument(s) more than once: {argnums!r}.")
     plan = Plan(model)
-    selections: dict[int, tuple[DiffState, Predicate]] = {}
-    for spec in specs:
-        if isinstance(spec, DiffState):
-            predicate = to_predicate(spec.filter, plan)
-            if not any(matches(predicate, entry, spec.filter) for entry in plan.variables):
-                raise ValueError(nothing_selected(what, [(None, spec.filter, predicate)], plan))
-            selections[spec.argnum] = (spec, predicate)
+    selections = _resolve_filters(plan, specs, what)
     many = isinstance(argnums, (tuple, list))
 
     def differentiated(*args: Any, **kwargs: Any) -> Any:
@@ -161,20 +145,8 @@ def _value_and_grad(
             if argnum not in selections:
                 chosen.append(args[position])
                 continue
-            spec, predicate = selections[argnum]
-            if not isinstance(args[position], Mapping):
-                _not_variables(args, position, spec, what)
-            present = present_variables(plan, args[position], f"{what} (argument {position})")
-            matched: list[tuple[Any, Any]] = []
-            rest: list[tuple[Any, Any]] = []
-            for entry, leaf in present:
-                (matched if matches(predicate, entry, spec.filter) else rest).append((entry, leaf))
-            if not matched:
-                message = nothing_selected(what, [(None, spec.filter, predicate)], plan, present)
-                raise ValueError(message.replace("given", f"given in argument {position}", 1))
-            _check_differentiable(matched, spec, what)
-            chosen.append(nest((entry.key, leaf) for entry, leaf in matched))
-            frozen[position] = nest((entry.key, leaf) for entry, leaf in rest)
+            part, frozen[position] = _split_argument(plan, args, position, selections[argnum], what)
+            chosen.append(part)
 
         def inner(*parts: Any) -> Any:
             full = list(args)
@@ -186,6 +158,67 @@ def _value_and_grad(
         return value, (grads if many else grads[0])
 
     return differentiated
+
+
+def _argnum_specs(
+    argnums: int | DiffState | Sequence[int | DiffState], what: str
+) -> tuple[int | DiffState, ...]:
+    """`argnums` as a tuple, checked: ints and `DiffState`s, at least one, no argument twice."""
+    given: tuple[Any, ...] = tuple(argnums) if isinstance(argnums, (tuple, list)) else (argnums,)
+    for spec in given:
+        if not isinstance(spec, (int, DiffState)) or isinstance(spec, bool):
+            raise TypeError(
+                f"argnums takes ints (a whole argument, as jax.grad) and lm.DiffState(argnum, "
+                f"filter) (part of a variables argument); got {spec!r}."
+            )
+    specs: tuple[int | DiffState, ...] = given
+    if not specs:
+        raise ValueError(f"{what}: argnums is empty; name at least one argument.")
+    argnum_of = [s.argnum if isinstance(s, DiffState) else s for s in specs]
+    if len(set(argnum_of)) != len(argnum_of):
+        raise ValueError(f"argnums lists argument(s) more than once: {argnums!r}.")
+    return specs
+
+
+def _resolve_filters(
+    plan: Plan, specs: tuple[int | DiffState, ...], what: str
+) -> dict[int, tuple[DiffState, Predicate]]:
+    """Each `DiffState`'s filter resolved against the plan, by argnum.
+
+    A filter that selects none of the model's variables is an error.
+    """
+    selections: dict[int, tuple[DiffState, Predicate]] = {}
+    for spec in specs:
+        if isinstance(spec, DiffState):
+            predicate = to_predicate(spec.filter, plan)
+            if not any(matches(predicate, entry, spec.filter) for entry in plan.variables):
+                raise ValueError(nothing_selected(what, [(None, spec.filter, predicate)], plan))
+            selections[spec.argnum] = (spec, predicate)
+    return selections
+
+
+def _split_argument(
+    plan: Plan,
+    args: tuple,
+    position: int,
+    selection: tuple[DiffState, Predicate],
+    what: str,
+) -> tuple[Variables, Variables]:
+    """The variables argument at `position`, split into the part differentiated and the rest."""
+    spec, predicate = selection
+    if not isinstance(args[position], Mapping):
+        _not_variables(args, position, spec, what)
+    present = present_variables(plan, args[position], f"{what} (argument {position})")
+    matched: list[tuple[Any, Any]] = []
+    rest: list[tuple[Any, Any]] = []
+    for entry, leaf in present:
+        (matched if matches(predicate, entry, spec.filter) else rest).append((entry, leaf))
+    if not matched:
+        message = nothing_selected(what, [(None, spec.filter, predicate)], plan, present)
+        raise ValueError(message.replace("given", f"given in argument {position}", 1))
+    _check_differentiable(matched, spec, what)
+    chosen = nest((entry.key, leaf) for entry, leaf in matched)
+    return chosen, nest((entry.key, leaf) for entry, leaf in rest)
 
 
 def _position(

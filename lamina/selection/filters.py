@@ -42,8 +42,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 from typing import Any as AnyType
 
-from .._core.errors import Path
 from .._core.module import Module
+from .._core.types import Path
 from .._core.variables import State
 
 if TYPE_CHECKING:
@@ -209,6 +209,7 @@ class WithTag:
         return f"WithTag({self.tag!r})"
 
     def __call__(self, path: Path, variable: State) -> bool:
+        """Whether the variable is in the collection, or carries the tag."""
         return variable.collection == self.tag or self.tag in variable.tags
 
 
@@ -240,6 +241,7 @@ class OfType:
             )
 
     def __call__(self, path: Path, variable: State) -> bool:
+        """Whether the variable is of the type (a module class needs the plan: `to_predicate`)."""
         if issubclass(self.type, Module):
             raise TypeError(
                 f"{self!r} matches the variables of {self.type.__name__} modules, so it needs "
@@ -305,6 +307,7 @@ class PathContains:
         return f"PathContains({self.key!r}{'' if self.exact else ', exact=False'})"
 
     def __call__(self, path: Path, variable: State) -> bool:
+        """Whether the key's parts stand in the path in a row (not exact: a substring of it)."""
         if not self.exact:
             return self.key in "/".join(map(str, path))
         parts = self.key.split("/")
@@ -337,6 +340,7 @@ class Any(_Combinator):
         object.__setattr__(self, "filters", _convert_all(filters, "lm.Any"))
 
     def __call__(self, path: Path, variable: State) -> bool:
+        """Whether any of the filters matches."""
         return builtins.any(f(path, variable) for f in self.filters)
 
     def __repr__(self) -> str:
@@ -362,6 +366,7 @@ class All(_Combinator):
         object.__setattr__(self, "filters", _convert_all(filters, "lm.All"))
 
     def __call__(self, path: Path, variable: State) -> bool:
+        """Whether every filter matches."""
         return builtins.all(f(path, variable) for f in self.filters)
 
     def __repr__(self) -> str:
@@ -390,6 +395,7 @@ class Not(_Combinator):
         object.__setattr__(self, "filter", _convert_all((filter,), "lm.Not")[0])
 
     def __call__(self, path: Path, variable: State) -> bool:
+        """Whether the filter does not match."""
         return not self.filter(path, variable)
 
     def _resolve(self, plan: Plan) -> Predicate:
@@ -408,6 +414,7 @@ class Everything:
     """
 
     def __call__(self, path: Path, variable: State) -> bool:
+        """Always True."""
         return True
 
 
@@ -422,6 +429,7 @@ class Nothing:
     """
 
     def __call__(self, path: Path, variable: State) -> bool:
+        """Always False."""
         return False
 
 

@@ -16,7 +16,8 @@ own call (``lm.vmap``/``lm.scan`` over the block).
 
 from __future__ import annotations
 
-from .._core.errors import VariablesError, format_list, format_path
+from .._core.checks import format_list, format_path
+from .._core.errors import VariablesError
 from .._core.graph import FlatKey, Plan
 from .._core.layout import check_variables, flatten_variables, nest
 from .._core.module import Module

@@ -1,7 +1,7 @@
-"""Layer-table entries of the norm layers added for issue 12 (joined into tests/layer_table.py).
+"""Layer-table entries of the normalisations, the weight normalisations included.
 
-Each entry combines several of the new options, to keep the table's time down; their
-equality with Linen is in tests/test_nn_norm_more.py.
+The entries with options combine several of them, to keep the table's time down; their
+equality with Linen is in tests/test_nn_norm.py and tests/test_nn_weight_normalization.py.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 import lamina as lm
-from tests.layer_table import Function, LayerCase, args, d, normal
+from tests.layer_table.case import Function, LayerCase, args, d, normal
 
 # Fixed masks (the table's inputs are floats). LayerNorm's: some entries of rows 1 and 2 do
 # not count; BatchNorm reduces the batch axis: example 2 of 4 does not count.
@@ -17,6 +17,21 @@ MASK = np.array([[True] * 4, [True, True, False, False], [True, False, True, Fal
 BATCH_MASK = np.array([True, True, False, True])[:, None, None]
 
 LAYERS: list[LayerCase] = [
+    LayerCase(
+        "batch_norm_train",
+        lambda t, p: lm.BatchNorm(4, momentum=0.9, **d(t, p)),
+        args(normal(6, 4)),
+        kwargs={"is_training": True},
+    ),
+    LayerCase(
+        "batch_norm_eval",
+        lambda t, p: lm.BatchNorm(4, **d(t, p)),
+        args(normal(2, 3, 3, 4)),
+        kwargs={"is_training": False},
+    ),
+    LayerCase("layer_norm", lambda t, p: lm.LayerNorm(5, **d(t, p)), args(normal(3, 5))),
+    LayerCase("rms_norm", lambda t, p: lm.RMSNorm(5, **d(t, p)), args(normal(2, 3, 5))),
+    LayerCase("group_norm", lambda t, p: lm.GroupNorm(2, 4, **d(t, p)), args(normal(2, 3, 3, 4))),
     LayerCase(
         "instance_norm", lambda t, p: lm.InstanceNorm(4, **d(t, p)), args(normal(2, 3, 3, 4))
     ),
@@ -56,4 +71,3 @@ LAYERS: list[LayerCase] = [
         args(normal(2, 5, 5, 3)),
     ),
 ]
-NOT_LAYERS: dict[str, str] = {}

@@ -1,4 +1,9 @@
-"""DenseGeneral, Einsum, and the dtype contract of the projections and LoRA, against Flax Linen."""
+"""Dense, Embed, DenseGeneral and Einsum against Flax Linen, given the same weights.
+
+Outputs and gradients equal Linen's; the layout and initialisation of the kernels, the dtype
+contract of the projections (inference with dtype=None, complex values); every error a user can
+cause.
+"""
 
 import math
 
@@ -10,8 +15,88 @@ import pytest
 
 import lamina as lm
 from lamina.nn._projections import dense_general
-from tests.helpers import assert_close, layout
-from tests.test_nn_conv import check_against_linen
+from tests.helpers import assert_close
+from tests.linen_helpers import check_against_linen, linen_and_lamina
+
+# --- Dense and Embed ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("shape", [(3, 5), (2, 3, 5), (5,)])
+def test_dense_equals_linen(getkey, use_bias, shape):
+    x = jax.random.normal(getkey(), shape)
+    variables, expected, got = linen_and_lamina(
+        nn.Dense(4, use_bias=use_bias), lm.Dense(5, 4, use_bias=use_bias), x
+    )
+    assert_close(got, expected)
+    assert jax.tree.map(jnp.shape, dict(variables)) == jax.tree.map(
+        jnp.shape, lm.transform(lm.Dense(5, 4, use_bias=use_bias)).init(getkey())
+    )
+    _, apply = lm.transform(lm.Dense(5, 4, use_bias=use_bias))
+
+    def ours(v, x):
+        return jnp.sum(apply(v, None, x)[0] ** 2)
+
+    def theirs(v, x):
+        return jnp.sum(nn.Dense(4, use_bias=use_bias).apply(v, x) ** 2)
+
+    g_ours = jax.grad(ours, argnums=(0, 1))(dict(variables), x)
+    g_theirs = jax.grad(theirs, argnums=(0, 1))(variables, x)
+    assert_close(g_ours, (dict(g_theirs[0]), g_theirs[1]))
+
+
+def test_dense_bfloat16_compute_float32_storage(getkey):
+    x = jax.random.normal(getkey(), (3, 5))
+    linen = nn.Dense(4, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    ours = lm.Dense(5, 4, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    variables, expected, got = linen_and_lamina(linen, ours, x)
+    assert variables["params"]["kernel"].dtype == jnp.float32
+    assert got.dtype == jnp.bfloat16 == expected.dtype
+    np.testing.assert_allclose(got.astype(jnp.float32), expected.astype(jnp.float32), rtol=1e-2)
+
+
+def test_dense_wrong_input_size():
+    _, apply = lm.transform(lm.Dense(5, 4))
+    variables = lm.transform(lm.Dense(5, 4)).init(jax.random.key(0))
+    with pytest.raises(
+        ValueError,
+        match=r"Dense\(in_size=5, out_size=4\) got an input of shape "
+        r"\(3, 6\): its last axis must be in_size=5, got 6\.",
+    ):
+        apply(variables, None, jnp.ones((3, 6)))
+
+
+def test_embed_and_attend_equal_linen(getkey):
+    ids = jnp.array([[0, 3, 9], [2, 2, 1]])
+    linen, ours = nn.Embed(10, 6), lm.Embed(10, 6)
+    variables, expected, got = linen_and_lamina(linen, ours, ids)
+    np.testing.assert_allclose(got, expected)
+    q = jax.random.normal(getkey(), (4, 6))
+    expected = linen.apply(variables, q, method=linen.attend)
+    _, attend = lm.transform(ours, to_callable=lambda m: m.attend)
+    assert_close(attend(dict(variables), None, q)[0], expected)
+    # Linen's default initializer: the same distribution and key derivation are not promised,
+    # but the shape and scale are.
+    table = lm.transform(ours).init(getkey())["params"]["embedding"]
+    assert table.shape == (10, 6) and 0.5 < float(jnp.std(table)) * 6**0.5 < 2.0
+
+
+def test_embed_errors():
+    init, apply = lm.transform(lm.Embed(10, 6))
+    variables = init(jax.random.key(0))
+    where = r"Embed\(num_embeddings=10, size=6\)"
+    with pytest.raises(TypeError, match=where + r" takes integer ids, got dtype float32"):
+        apply(variables, None, jnp.ones(3))
+    _, attend = lm.transform(lm.Embed(10, 6), to_callable=lambda m: m.attend)
+    with pytest.raises(
+        ValueError,
+        match=where + r"\.attend got a query of shape \(2, 5\): its last axis must be size=6, "
+        r"got 5\.",
+    ):
+        attend(variables, None, jnp.ones((2, 5)))
+
+
+# --- DenseGeneral and Einsum ---------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -278,34 +363,3 @@ def test_einsum_equation_given_twice_or_never():
         lm.transform(bare).apply(
             lm.transform(bare).init(jax.random.key(0)), None, jnp.ones((2, 4)), "bd,dh->bh"
         )
-
-
-def test_lora_dtype_follows_the_base_and_infers_with_it(normal):
-    """LoRA's dtype, left out, is its base's: a fixed dtype, or None (inferred per call)."""
-    assert lm.LoRA(lm.Dense(5, 4), 2).dtype == jnp.float32
-    assert lm.LoRA(lm.Dense(5, 4, dtype=jnp.bfloat16), 2).dtype == jnp.bfloat16
-    layer = lm.LoRA(lm.Dense(5, 4, dtype=None, param_dtype=jnp.bfloat16), 2)
-    assert layer.dtype is None and layer.param_dtype == jnp.bfloat16
-    init, apply = lm.transform(layer)
-    variables = init(jax.random.key(0))
-    assert {v.dtype for v in jax.tree.leaves(variables)} == {jnp.dtype(jnp.bfloat16)}
-    y, _ = apply(variables, None, normal((3, 5), jnp.bfloat16))
-    assert y.dtype == jnp.bfloat16
-    with pytest.raises(TypeError, match=r"param_dtype=complex64 is complex but dtype=float32"):
-        lm.LoRA(lm.Dense(5, 4), 2, param_dtype=jnp.complex64)
-
-
-def test_lora_of_a_masked_conv_is_refused():
-    with pytest.raises(ValueError, match=r"the base Conv has a mask; LoRA adapts unmasked Convs"):
-        lm.LoRA(lm.Conv(2, 3, 3, mask=np.ones((3, 2, 3))), 2)
-
-
-def test_lora_of_an_input_dilated_conv_merges_exactly(normal):
-    layer = lm.LoRA(lm.Conv(2, 3, 3, input_dilation=2), 2, b_init=lm.initializers.normal(0.5))
-    init, apply = lm.transform(layer)
-    variables = init(jax.random.key(0))
-    x = normal((2, 5, 2))
-    merged, merged_variables = lm.merge_lora(layer, variables)
-    expected, _ = lm.transform(merged).apply(merged_variables, None, x)
-    assert layout(expected) == layout(apply(variables, None, x)[0])
-    assert_close(apply(variables, None, x)[0], expected, rtol=1e-5, atol=1e-5)

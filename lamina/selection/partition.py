@@ -22,7 +22,12 @@ import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .._core.errors import VariablesError, format_list
+from .._core.checks import format_list
+from .._core.errors import VariablesError
+from .._core.graph import Plan, VariableEntry
+from .._core.layout import nest, present_variables
+from .._core.module import Module
+from .._core.types import Variables
 from .filters import (
     All,
     Everything,
@@ -36,10 +41,6 @@ from .filters import (
     to_predicate,
 )
 from .filters import Any as AnyOf
-from .._core.graph import Plan, VariableEntry
-from .._core.layout import nest, present_variables
-from .._core.module import Module
-from .._core.types import Variables
 
 
 def plan_for(model: Module, variables: Any, what: str) -> Plan:

@@ -1,11 +1,11 @@
-"""Layer-table entries of the linear and convolution layers of issue 12 (in `layer_table.py`)."""
+"""Layer-table entries of the convolutions: Conv, ConvTranspose and ConvLocal."""
 
 from __future__ import annotations
 
 import numpy as np
 
 import lamina as lm
-from tests.layer_table import LayerCase, args, d, normal
+from tests.layer_table.case import LayerCase, args, d, normal
 
 
 def _mask(*shape: int) -> np.ndarray:
@@ -15,14 +15,27 @@ def _mask(*shape: int) -> np.ndarray:
 
 LAYERS: list[LayerCase] = [
     LayerCase(
-        "dense_general_batch_axes",
-        lambda t, p: lm.DenseGeneral((3, 4), (2, 5), axis=(1, -1), batch_shape=(2,), **d(t, p)),
-        args(normal(2, 3, 5, 4)),
+        "conv1d", lambda t, p: lm.Conv(3, 4, (3,), strides=2, **d(t, p)), args(normal(2, 9, 3))
     ),
     LayerCase(
-        "einsum_ellipsis",
-        lambda t, p: lm.Einsum((4, 3, 2), "...d,dhk->...kh", **d(t, p)),
-        args(normal(2, 3, 4)),
+        "conv2d",
+        lambda t, p: lm.Conv(3, 4, (3, 3), padding="VALID", **d(t, p)),
+        args(normal(2, 6, 6, 3)),
+    ),
+    LayerCase(
+        "conv2d_groups_circular",
+        lambda t, p: lm.Conv(4, 6, (3, 3), padding="CIRCULAR", groups=2, **d(t, p)),
+        args(normal(2, 5, 5, 4)),
+    ),
+    LayerCase(
+        "conv3d",
+        lambda t, p: lm.Conv(2, 3, (2, 2, 2), dilation=(1, 2, 1), **d(t, p)),
+        args(normal(1, 4, 5, 4, 2)),
+    ),
+    LayerCase(
+        "conv_transpose2d",
+        lambda t, p: lm.ConvTranspose(3, 2, (3, 3), strides=2, **d(t, p)),
+        args(normal(2, 4, 4, 3)),
     ),
     LayerCase(
         "conv_masked_input_dilation",
@@ -44,4 +57,3 @@ LAYERS: list[LayerCase] = [
         args(normal(2, 4, 5, 2)),
     ),
 ]
-NOT_LAYERS: dict[str, str] = {}

@@ -1,7 +1,9 @@
-"""`pool` (Linen's generic pooling), `count_include_pad` in every padding mode, int strides.
+"""Pooling against Flax Linen: `max_pool`, `min_pool`, `avg_pool` and the generic `pool`.
 
-Against Flax Linen's `pooling` module, values and gradients. Linen's pooling is not clean under
-strict dtype promotion (``y / np.prod(window)``), so its side runs under standard promotion.
+Values and gradients equal Linen's `pooling` module's, `count_include_pad` in every padding mode,
+int windows and strides, complex inputs; every error a user can cause. Linen's pooling is not
+clean under strict dtype promotion (``y / np.prod(window)``), so its side runs under standard
+promotion.
 """
 
 import flax.linen as nn
@@ -14,6 +16,62 @@ from jax import lax
 
 import lamina as lm
 from tests.helpers import assert_close, normal
+
+POOLS = [
+    ((2, 2), (2, 2), "VALID"),
+    ((3, 3), (1, 1), "SAME"),
+    ((3,), (2,), "SAME"),
+    ((2, 2, 2), None, "VALID"),
+    ((3, 2), (2, 1), ((1, 1), (0, 1))),
+]
+
+
+@pytest.mark.parametrize(("window", "strides", "padding"), POOLS)
+@pytest.mark.parametrize("kind", ["max", "min", "avg"])
+def test_pools_equal_linen(getkey, kind, window, strides, padding):
+    x = jax.random.normal(getkey(), (2, *([6] * len(window)), 3))
+    ours = getattr(lm, f"{kind}_pool")(x, window, strides, padding)
+    g_ours = jax.grad(lambda v: getattr(lm, f"{kind}_pool")(v, window, strides, padding).sum())(x)
+    with jax.numpy_dtype_promotion("standard"):  # Linen's pooling is not strict-dtype clean
+        theirs = getattr(pooling, f"{kind}_pool")(x, window, strides, padding)
+        g_theirs = jax.grad(
+            lambda v: getattr(pooling, f"{kind}_pool")(v, window, strides, padding).sum()
+        )(x)
+    assert_close(ours, theirs)
+    assert_close(g_ours, g_theirs)
+
+
+def test_avg_pool_without_padding_counts(getkey):
+    x = jax.random.normal(getkey(), (1, 5, 5, 2))
+    assert_close(
+        lm.avg_pool(x, (3, 3), padding="SAME", count_include_pad=False),
+        nn.avg_pool(x, (3, 3), padding="SAME", count_include_pad=False),
+    )
+
+
+def test_pool_unbatched_and_integer_input():
+    x = jnp.arange(16).reshape(4, 4, 1)
+    np.testing.assert_array_equal(lm.max_pool(x, (2, 2), (2, 2))[..., 0], [[5, 7], [13, 15]])
+    np.testing.assert_array_equal(lm.min_pool(x, (2, 2), (2, 2))[..., 0], [[0, 2], [8, 10]])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"kernel_size": ()}, r"kernel_size \(\) has 0 entries; it must have at least 1"),
+        ({"kernel_size": (2, 2, 2, 2)}, r"needs input of shape \(batch\.\.\., 4 spatial axes"),
+        ({"kernel_size": (2, 2), "strides": (1,)}, "has 1 entries but kernel_size has 2"),
+        ({"kernel_size": (2, 2), "padding": "FULL"}, r"unknown padding 'FULL'; use one of 'SAME'"),
+        ({"kernel_size": (2, 2), "padding": ((1, 1),)}, r"has 1 \(low, high\) pairs but"),
+    ],
+)
+def test_pool_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        lm.max_pool(jnp.ones((1, 4, 4, 1)), **kwargs)
+
+
+# --- the generic pool, count_include_pad, int windows, complex inputs -----------------------------
+
 
 PADDINGS = ["VALID", "SAME", ((1, 0), (0, 2))]
 
@@ -95,7 +153,7 @@ def test_avg_pool_of_complex_input_equals_linen():
         assert_close((got.real, got.imag), (expected.real, expected.imag))
 
 
-def test_pool_errors():
+def test_generic_pool_errors():
     x = jnp.ones((1, 4, 4, 1))
     with pytest.raises(TypeError, match=r"^pool: init must be a scalar known when tracing"):
         jax.jit(lambda v, i: lm.pool(v, i, lax.add, (2, 2)))(x, 0.0)
