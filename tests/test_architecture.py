@@ -34,6 +34,29 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skipped
 
 
+def _private_attributes(path: pathlib.Path) -> list[tuple[str, str, int]]:
+    """(module, private name, line) for each ``module._name`` read of an imported lamina file."""
+    imported = {}
+    for target, name, _ in _imports(path):
+        if not name:  # `from . import x` or `import lamina.x as y`: a module bound to a name
+            imported[target.rsplit(".", 1)[-1]] = target
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("lamina") and alias.asname:
+                    imported[alias.asname] = alias.name
+    return [
+        (imported[node.value.id], node.attr, node.lineno)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in imported
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+    ]
+
+
 def _imports(path: pathlib.Path) -> list[tuple[str, str, int]]:
     """(imported lamina module, imported name or "", line) for each import that runs."""
     name = _module_name(path)
@@ -65,6 +88,7 @@ def _imports(path: pathlib.Path) -> list[tuple[str, str, int]]:
 
 FILES = sorted(PACKAGE.rglob("*.py"))
 GRAPH = {_module_name(path): _imports(path) for path in FILES}
+PRIVATE_READS = {_module_name(path): _private_attributes(path) for path in FILES}
 
 
 def _folder(module: str) -> str:
@@ -116,10 +140,10 @@ def test_imports_follow_the_layers(module):
 def test_no_private_name_crosses_files(module):
     crossing = [
         f"line {line}: {name} from {target}"
-        for target, name, line in GRAPH[module]
+        for target, name, line in GRAPH[module] + PRIVATE_READS[module]
         if name.startswith("_") and not name.startswith("__") and target != module
     ]
-    assert not crossing, f"{module} imports private names of other files: {crossing}"
+    assert not crossing, f"{module} uses private names of other files: {crossing}"
 
 
 def _core_order() -> list[str]:
@@ -199,6 +223,13 @@ def test_the_checker_sees_a_cycle_and_a_wrong_layer(tmp_path, monkeypatch):
             test_imports_follow_the_layers("lamina._core.fake_a")
     finally:
         del GRAPH["lamina._core.fake_a"], GRAPH["lamina._core.fake_b"]
+    # A private name read through an imported module counts as importing it.
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    (tmp_path / "lamina" / "nn").mkdir(parents=True)
+    (tmp_path / "lamina" / "nn" / "_dtypes.py").write_text("")
+    fake = tmp_path / "lamina" / "nn" / "fake.py"
+    fake.write_text("from . import _dtypes\n\nx = _dtypes._promote\n")
+    assert _private_attributes(fake) == [("lamina.nn._dtypes", "_promote", 3)]
 
 
 def test_no_file_is_too_long():

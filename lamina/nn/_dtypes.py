@@ -73,7 +73,7 @@ def compute_dtype(layer: Any, dtype: np.dtype | None, *values: Any) -> np.dtype:
         TypeError: A complex value under a real `dtype`.
     """
     if dtype is None:
-        return _promote(tuple(jnp.result_type(v) for v in values if v is not None))
+        return promote(tuple(jnp.result_type(v) for v in values if v is not None))
     if not _is_complex(dtype):
         for value in values:
             if value is None:
@@ -90,7 +90,7 @@ def compute_dtype(layer: Any, dtype: np.dtype | None, *values: Any) -> np.dtype:
             if is_complex:
                 value_dtype = jnp.result_type(value)  # canonical, as the message always said
                 raise TypeError(
-                    f"{_name(layer)} got a {value_dtype} value but computes in {dtype} "
+                    f"{layer_name(layer)} got a {value_dtype} value but computes in {dtype} "
                     f"(dtype={dtype}): the cast would drop the imaginary part. Build the "
                     f"layer with dtype={value_dtype}, or dtype=None to compute in the dtype "
                     f"of its inputs and variables."
@@ -99,7 +99,7 @@ def compute_dtype(layer: Any, dtype: np.dtype | None, *values: Any) -> np.dtype:
 
 
 @functools.cache
-def _promote(dtypes: tuple[np.dtype, ...]) -> np.dtype:
+def promote(dtypes: tuple[np.dtype, ...]) -> np.dtype:
     """Linen's ``promote_dtype``: the dtypes' promotion, at least float32 for integers."""
     with jax.numpy_dtype_promotion("standard"):
         result = jnp.result_type(*dtypes) if dtypes else np.dtype(jnp.float32)
@@ -114,7 +114,8 @@ def _is_complex(dtype: Dtype) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.complexfloating))
 
 
-def _name(layer: Any) -> str:
+def layer_name(layer: Any) -> str:
+    """How messages name `layer`: its description and its path in the model (or a given str)."""
     if isinstance(layer, str):
         return layer
     describe = getattr(layer, "_describe", None)

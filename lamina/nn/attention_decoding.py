@@ -133,7 +133,7 @@ def check_cache_kind(layer: Any, key: jax.Array, value: jax.Array) -> None:
         if dtype_kind(array.dtype) <= dtype_kind(target):
             continue
         message = (
-            f"{_dtypes._name(layer)} cannot write this step's {array.dtype} {what} to its "
+            f"{_dtypes.layer_name(layer)} cannot write this step's {array.dtype} {what} to its "
             f"decoding cache, stored as {target} (the layer's dtype, or param_dtype with "
             f"dtype=None; set with dtype={layer.dtype}, param_dtype={layer.param_dtype}). "
             f"Build the layer with dtype={array.dtype} (or param_dtype={array.dtype} with "
@@ -172,7 +172,7 @@ def check_decoding_step(
             f"{k_shape}."
         )
     index = layer.cache_index.value
-    where = _dtypes._name(layer)
+    where = _dtypes.layer_name(layer)
 
     def overflow(start: Any) -> str:
         if start < 0:

@@ -284,7 +284,7 @@ class BatchNorm(Normalization):
         if count >= 2:
             return
         axes = f"axes {reduction}" if reduction else "no axis (the input has only the feature axes)"
-        where = f"{_dtypes._name(self)} got an input of shape {shape} while training"
+        where = f"{_dtypes.layer_name(self)} got an input of shape {shape} while training"
         mapped = (
             f", over {members} member(s) of the mapped axis {self.axis_name!r}"
             if self.axis_name is not None

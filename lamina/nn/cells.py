@@ -51,7 +51,7 @@ def common_parts(
     next to a float32 input gate); the update combines them in the promotion. The compiled
     steps and the cell's own call share this, so that both are the same computation.
     """
-    common = _dtypes._promote(tuple(jnp.result_type(p) for p in (*x_parts, *h_parts)))
+    common = _dtypes.promote(tuple(jnp.result_type(p) for p in (*x_parts, *h_parts)))
     return [jnp.asarray(p, common) for p in x_parts], [jnp.asarray(p, common) for p in h_parts]
 
 
@@ -65,7 +65,7 @@ def next_carry_dtype(carry_dtype: Dtype, compute_dtype: Dtype) -> Dtype:
     if jnp.issubdtype(compute_dtype, jnp.complexfloating) and not jnp.issubdtype(
         carry_dtype, jnp.complexfloating
     ):
-        return _dtypes._promote((jnp.dtype(carry_dtype), jnp.dtype(compute_dtype)))
+        return _dtypes.promote((jnp.dtype(carry_dtype), jnp.dtype(compute_dtype)))
     return carry_dtype
 
 
@@ -260,7 +260,7 @@ class DenseCell(Module, abc.ABC):
             return weights, self._kernel((dtype, dtype), dtype)
         w = jnp.result_type(jax.tree.leaves(weights[0])[0])
         h = next_carry_dtype(jnp.result_type(self._hidden(carry)), dtype)
-        dtypes = (_dtypes._promote((jnp.result_type(x), w)), _dtypes._promote((h, w)))
+        dtypes = (_dtypes.promote((jnp.result_type(x), w)), _dtypes.promote((h, w)))
         return weights, self._kernel(dtypes, dtype)
 
     def uses_compiled_step(self) -> bool:

@@ -553,15 +553,16 @@ class MultiHeadAttention(Module):
             return dense_general(x, kernel, bias, n_contract, dtype, self.precision)
         if not callable(layer):
             raise TypeError(
-                f"{_dtypes._name(self)}: its {name!r} projection was replaced by a "
+                f"{_dtypes.layer_name(self)}: its {name!r} projection was replaced by a "
                 f"{type(layer).__name__}, which cannot be called. Put a module that maps "
                 f"{tuple(jnp.shape(x))} to {expected} there (e.g. lm.DenseGeneral)."
             )
         y = layer(x)
         if tuple(jnp.shape(y)) != expected:
             raise ValueError(
-                f"{_dtypes._name(self)}: its {name!r} projection, a {type(layer).__name__} put "
-                f"in place of the layer's own, maps an input of shape {tuple(jnp.shape(x))} to "
+                f"{_dtypes.layer_name(self)}: its {name!r} projection, a "
+                f"{type(layer).__name__} put in place of the layer's own, maps an input of shape "
+                f"{tuple(jnp.shape(x))} to "
                 f"{tuple(jnp.shape(y))}, but the attention needs {expected}. Give it the "
                 f"output shape of the projection it replaces."
             )
@@ -596,7 +597,7 @@ class MultiHeadAttention(Module):
                     else f"{type(declaration).__name__}"
                 )
                 raise ValueError(
-                    f"{_dtypes._name(self)}: its {name!r} projection's {what} is {got}, but "
+                    f"{_dtypes.layer_name(self)}: its {name!r} projection's {what} is {got}, but "
                     f"the layer reads it as a Parameter of shape {shape}. Put back a "
                     f"Parameter of that shape (or None for the bias), or replace the whole "
                     f"projection by a module (e.g. mha.{name} = lm.DenseGeneral(...))."
