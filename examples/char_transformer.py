@@ -25,6 +25,7 @@ validation loss is 1.88:
     python examples/char_transformer.py --data ../shared/data/tinyshakespeare.txt
     python examples/char_transformer.py                  # no --data: Python's own source
     python examples/char_transformer.py --iters 200 --eval-interval 50   # a quick run
+    python examples/char_transformer.py --precision bfloat16   # mixed precision (lm.with_policy)
 
 Without --data it trains on text that ships with every Python: the standard library's
 top-level modules (``<stdlib>/*.py``), in alphabetical order, up to about 1 MB; it says which.
@@ -243,7 +244,7 @@ class CharTransformer(lm.Module):
 
 
 def build_model(args, vocab_size, decode_batch=None) -> CharTransformer:
-    return CharTransformer(
+    model = CharTransformer(
         vocab_size,
         layers=args.layers,
         heads=args.heads,
@@ -254,6 +255,17 @@ def build_model(args, vocab_size, decode_batch=None) -> CharTransformer:
         decode_batch=decode_batch,
         unroll=True if args.unroll is None else args.unroll,
     )
+    if args.precision == "bfloat16":
+        # Mixed precision: the blocks compute in bfloat16 from float32 parameters, except
+        # their LayerNorms (float32 statistics, bfloat16 out); the embeddings, the final
+        # norm and the tied output layer stay float32, so the logits and the loss are too.
+        model = lm.with_policy(model, lm.Policy("float32", "bfloat16"), where=lm.Stack)
+        model = lm.with_policy(
+            model,
+            lm.Policy("float32", "float32", "bfloat16"),
+            where=lm.All(lm.LayerNorm, lm.PathContains("blocks")),
+        )
+    return model
 
 
 # --- data -------------------------------------------------------------------------------
@@ -692,6 +704,12 @@ def parse_args(argv=None):
         "the program the size of one block)",
     )
     _common.add_output_argument(parser, "char_transformer")
+    add(
+        "--precision",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the blocks' compute dtype; parameters stay float32 (default: %(default)s)",
+    )
     add("--quiet", action="store_true", help="no progress bar or model summary")
     args = parser.parse_args(argv)
     for name in ("layers", "heads", "width", "block_size", "batch_size", "iters"):

@@ -2,16 +2,22 @@
 
 A ConvNet is pretrained on half of the training images. The target domain is the same task on
 inverted images (``1 - x``: light objects on a dark background become dark on light), where the
-pretrained network does badly. Model surgery on the object wraps every layer in a `lm.LoRA`
-adapter, after `lm.assign_variables` has put the pretrained weights in:
+pretrained network does badly. After `lm.assign_variables` has put the pretrained weights in,
+one `lm.replace` wraps every layer in a `lm.LoRA` adapter, and `lm.freeze` turns everything
+but the adapters into `lm.FrozenParam`s:
 
-    model = lm.assign_variables(ConvNet(...), pretrained_variables)
-    model.conv1 = lm.LoRA(model.conv1, rank=4)   # ... and conv2, fc, head
+    model = lm.replace(
+        lm.assign_variables(ConvNet(...), pretrained_variables),
+        lambda path, layer: lm.LoRA(layer, rank=4),
+        where=(lm.Conv, lm.Dense),
+    )
+    model = lm.freeze(model, where=lm.Not(lm.LoRAParam))
 
-and only the adapters train (``lm.value_and_grad(loss, model, lm.DiffState(0, lm.LoRAParam))``),
-on inverted images from the other half of the training set. The base weights stay bit for bit
-the pretrained ones; `lm.merge_lora` finally folds the adapters into a plain ConvNet that
-computes the same function.
+so the adapters are the model's only `lm.Parameter`s: the usual training step (``lm.grad``'s
+default, an optimizer over ``lm.split(model, variables, lm.Parameter, ...)``) trains them
+alone, on inverted images from the other half of the training set, with no mask to build.
+The base weights stay bit for bit the pretrained ones; `lm.merge_lora` finally folds the
+adapters into a plain ConvNet that computes the same function.
 
 By default it uses Fashion-MNIST when Debian's `dataset-fashion-mnist` is installed
 (/usr/share/datasets/fashion-mnist), and otherwise scikit-learn's bundled 8x8 digits; it says
@@ -36,7 +42,7 @@ import optax
 
 import lamina as lm
 
-ADAPTED_LAYERS = ("conv1", "conv2", "fc", "head")
+LAYERS = ("conv1", "conv2", "fc", "head")  # every one is adapted: all are Conv or Dense
 
 
 class ConvNet(lm.Module):
@@ -113,14 +119,23 @@ def run(args) -> dict:
         f"accuracy {before['target']:.4f}"
     )
 
-    # 2. Model surgery: the pretrained weights go in, then each layer is wrapped in a LoRA.
-    model = lm.assign_variables(net, pretrained)
-    for name in ADAPTED_LAYERS:
-        setattr(model, name, lm.LoRA(getattr(model, name), rank=args.rank, alpha=args.alpha))
+    # 2. Model surgery: the pretrained weights go in, every Conv and Dense is wrapped in a
+    # LoRA (on a copy: `net` stays the plain ConvNet), and everything but the adapters is
+    # frozen, so the adapters are the only lm.Parameters left to train.
+    model = lm.replace(
+        lm.assign_variables(net, pretrained),
+        lambda path, layer: lm.LoRA(layer, rank=args.rank, alpha=args.alpha),
+        where=(lm.Conv, lm.Dense),
+    )
+    model = lm.freeze(model, where=lm.Not(lm.LoRAParam))
     print(lm.summary(model))
     evaluate_lora = ft.make_evaluate(model)
     variables = lm.transform(model).init(jax.random.key(args.seed))
-    adapters, base = lm.split(model, variables, lm.LoRAParam, ...)
+    adapters, base = lm.split(model, variables, lm.Parameter, ...)
+    # what trains is exactly the adapters: the LoRAParams, under their paths
+    trainable_are_adapters = ft.same_arrays(
+        adapters, lm.filter_variables(model, variables, lm.LoRAParam)
+    )
     num_adapters, num_total = ft.count(adapters), ft.count(variables)
     # The adapters start as a no-op (lora_b = 0): the wrapped model is the pretrained one.
     start_target = evaluate_lora(variables, target_test)["accuracy"]
@@ -130,11 +145,11 @@ def run(args) -> dict:
         f"the start {start_target:.4f}"
     )
 
-    # 3. Train the adapters alone, on the target domain.
+    # 3. Train the adapters alone (the model's only Parameters), on the target domain.
     variables, adapt_time = ft.train(
         "LoRA",
         model,
-        lm.LoRAParam,
+        lm.Parameter,
         optax.adam(args.learning_rate),
         variables,
         (target_train, target_test),
@@ -146,11 +161,13 @@ def run(args) -> dict:
 
     # The base weights are the pretrained ones, bit for bit: only lora_a/lora_b moved. Each
     # layer's variables now sit under "base" (params/conv1/base/kernel).
-    _, base_after = lm.split(model, variables, lm.LoRAParam, ...)
+    _, base_after = lm.split(model, variables, lm.Parameter, ...)
     expected = {"params": {n: {"base": p} for n, p in pretrained["params"].items()}}
     base_unchanged = ft.same_arrays(base_after, expected) and ft.same_arrays(base_after, base)
 
-    # 4. Fold the adapters into the base kernels: a plain ConvNet (paths lose "base").
+    # 4. Fold the adapters into the base kernels: a plain ConvNet (paths lose "base"), whose
+    # parameters are still FrozenParams (for inference; lm.assign_variables(net, merged_variables)
+    # gives a trainable one).
     merged_model, merged_variables = lm.merge_lora(model, variables)
     evaluate_merged = ft.make_evaluate(merged_model)
     merged = accuracies(evaluate_merged, merged_variables)
@@ -192,13 +209,14 @@ def run(args) -> dict:
         "merged": merged,
         "full_finetune": full,
         "merged_max_logit_difference": logits_difference,
-        "merged_layer_types": [type(getattr(merged_model, n)).__name__ for n in ADAPTED_LAYERS],
+        "merged_layer_types": [type(getattr(merged_model, n)).__name__ for n in LAYERS],
         "merged_paths": sorted(merged_variables["params"]["conv1"]),
         "trainable_params": num_adapters,
         "total_params": num_total,
         "merged_params": ft.count(merged_variables),
         "pretrained_params": ft.count(pretrained),
         "base_unchanged": base_unchanged,
+        "trainable_are_adapters": trainable_are_adapters,
     }
 
 

@@ -174,6 +174,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--eval-interval", type=int, default=50, help="(default: %(default)s)")
     add("--eval-batches", type=int, default=4, help="(default: %(default)s)")
     add("--seed", type=int, default=1337, help="(default: %(default)s)")
+    add(
+        "--precision",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the blocks' compute dtype, as in char_transformer.py (default: %(default)s)",
+    )
     add("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     for name in ("data_parallel", "model_parallel"):

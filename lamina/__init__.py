@@ -39,6 +39,7 @@ from ._core.transform import init as init
 from ._core.transform import transform as transform
 from ._core.variables import BatchStat as BatchStat
 from ._core.variables import Cache as Cache
+from ._core.variables import FrozenParam as FrozenParam
 from ._core.variables import Parameter as Parameter
 from ._core.variables import State as State
 from .activations import *  # noqa: F403 - the activation functions, flat
@@ -101,11 +102,17 @@ from .nn import max_pool as max_pool
 from .nn import merge_lora as merge_lora
 from .nn import min_pool as min_pool
 from .nn import pool as pool
+from .precision import DynamicLossScale as DynamicLossScale
+from .precision import Policy as Policy
+from .precision import all_finite as all_finite
+from .precision import with_policy as with_policy
 from .records import Probe as Probe
 from .records import capture_intermediates as capture_intermediates
 from .records import perturb as perturb
 from .records import probe as probe
 from .records import sow as sow
+from .rendering import display as display
+from .rendering import render_html as render_html
 from .selection import All as All
 from .selection import Any as Any
 from .selection import DiffState as DiffState
@@ -116,10 +123,12 @@ from .selection import OfType as OfType
 from .selection import PathContains as PathContains
 from .selection import WithTag as WithTag
 from .selection import filter_variables as filter_variables
+from .selection import freeze as freeze
 from .selection import grad as grad
 from .selection import mask as mask
 from .selection import merge as merge
 from .selection import put_variables as put_variables
+from .selection import replace as replace
 from .selection import split as split
 from .selection import take_variables as take_variables
 from .selection import to_predicate as to_predicate

@@ -139,3 +139,37 @@ def test_splitting_the_batch_across_cpu_cores_gives_the_numbers_of_one_device(tm
     )
     assert too_many.returncode != 0
     assert "--devices 3 does not divide --batch-size 4" in too_many.stderr
+
+
+def _dot_dtypes(jaxpr) -> list[str]:
+    """The operand dtypes of every dot_general in a jaxpr, sub-jaxprs included."""
+    found = []
+    for equation in jaxpr.eqns:
+        if equation.primitive.name == "dot_general":
+            found.append(str(equation.invars[0].aval.dtype))
+        for value in equation.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                if hasattr(inner, "jaxpr"):
+                    found += _dot_dtypes(getattr(inner.jaxpr, "jaxpr", inner.jaxpr))
+    return found
+
+
+def test_bfloat16_precision_computes_the_blocks_in_bfloat16_from_float32_parameters(example):
+    chars = 11
+    ids = np.zeros((2, 8), np.int32)
+    full, half = (
+        example.build_model(tiny_args(example, "--precision", p), chars)
+        for p in ("float32", "bfloat16")
+    )
+    init, apply = lm.transform(half)
+    variables = jax.jit(init, compiler_options=FAST_COMPILE)(jax.random.key(0))
+    assert {str(x.dtype) for x in jax.tree.leaves(variables)} == {"float32"}  # stored
+    logits, _ = apply(variables, None, ids)
+    assert logits.dtype == np.float32  # the final norm and the tied head stay float32
+    dots = _dot_dtypes(jax.make_jaxpr(lambda v: apply(v, None, ids))(variables).jaxpr)
+    # the Stack's scan body (one block: q, k, v, scores, weighted values, out, mlp in, mlp
+    # out) in bfloat16; the head in float32
+    assert sorted(dots) == ["bfloat16"] * 8 + ["float32"], dots
+    # the same parameters, a float32 model: the logits agree to bfloat16's precision
+    reference, _ = lm.transform(full).apply(variables, None, ids)
+    np.testing.assert_allclose(logits, reference, atol=2e-2)

@@ -175,6 +175,8 @@ def test_lora_example_on_digits(monkeypatch, capsys, tmp_path):
     assert results["adapted"]["target"] > results["before"]["target"] + 0.5
     assert results["trainable_params"] < results["total_params"] / 5
     assert results["base_unchanged"]
+    # lm.replace + lm.freeze: the adapters are the model's only trainable Parameters
+    assert results["trainable_are_adapters"]
     # merged: plain layers (no "base" level), the same predictions
     assert "LoRA" not in results["merged_layer_types"]
     assert results["merged_paths"] == ["bias", "kernel"]

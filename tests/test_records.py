@@ -229,7 +229,10 @@ def test_capture_records_every_module_call_or_the_filtered_ones(mlp):
     assert set(new["intermediates"]) == {"hidden", "out", "h"}  # "h": the model's own sow
     _, new = lm.capture_intermediates(apply, lambda path, m: path == ("out",))(variables, None, x)
     assert set(new["intermediates"]) == {"out", "h"}
-    with pytest.raises(TypeError, match="filter is None"):
+    with pytest.raises(
+        TypeError,
+        match=r"3 \(int\) is not a filter. A module filter is a Module class",
+    ):
         lm.capture_intermediates(apply, 3)(variables, None, x)
 
 

@@ -13,7 +13,8 @@ this list, never a later one, not even inside a function):
 8. rng: random streams (errors, frame).
 9. variables: declarations (checks, copying, frame, initializer, types).
 10. module: `Module` (checks, copying, errors, frame, initializer, variables).
-11. graph: the walk and the plan (checks, module, types, variables).
-12. layout: the variables dict checked against a plan (checks, errors, graph).
-13. transform: transform, init, apply, assign_variables (all of the above).
+11. casting: the casts a mixed-precision policy puts around a module's call (none of these).
+12. graph: the walk and the plan (checks, module, types, variables).
+13. layout: the variables dict checked against a plan (checks, errors, graph).
+14. transform: transform, init, apply, assign_variables (all of the above).
 """

@@ -15,7 +15,7 @@ from .copying import copy_object, picklable_state
 from .errors import FrozenModuleError
 from .frame import current_frame
 from .initializer import Initializer
-from .variables import State
+from .variables import RENDERERS, State
 
 _MISSING = object()
 # Code objects by id (hashing a code object hashes its bytecode: slow; the values keep the
@@ -114,6 +114,25 @@ class Module:
 
     def __repr__(self) -> str:
         return _repr_module(self, indent="", seen=set())
+
+    @property
+    def _repr_html_(self) -> Any:
+        """The model as foldable HTML (treescope) for Jupyter; it returns None without treescope.
+
+        A property that gives the bound method: treescope appends the output of a class's
+        callable ``_repr_html_`` under its own rendering of the object, which would show every
+        model twice, while IPython and Jupyter read the attribute of the instance.
+        """
+        return types.MethodType(_repr_html, self)
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        render = RENDERERS.get("module")
+        return NotImplemented if render is None else render(self, path, subtree_renderer)
+
+
+def _repr_html(module: Module) -> str | None:
+    render = RENDERERS.get("html")
+    return None if render is None else render(module)
 
 
 # Submodules whose attributes the pickling of an enclosing module has checked: id -> a weak

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .casting import install_boundaries
 from .checks import check_cast, check_number, flags, format_list, format_path, is_number
 from .copying import freeze
 from .errors import RngError, VariablesError
@@ -101,6 +102,7 @@ def transform(
     plan.bind()
     for path, module in plan.modules:
         freeze(module, format_path(path))
+    install_boundaries(plan.modules)  # the casts lm.with_policy decided (none: nothing changes)
     fn = _resolve_callable(snapshot, to_callable)
     init, apply = _make_init(plan), _make_apply(plan, fn)
     depth = _depth(plan)

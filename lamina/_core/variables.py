@@ -26,6 +26,12 @@ from .frame import Declaration, current_frame, frame_of, where_is
 from .initializer import from_jax
 from .types import Dtype, Initializer, Shape
 
+# How models and declarations render in treescope (notebooks): filled by `lamina/rendering.py`
+# when lamina is imported (a registration, so the core never imports it). Keys: ``"module"``
+# and ``"state"``: ``fn(obj, path, subtree_renderer)``, a `__treescope_repr__`; ``"html"``:
+# ``fn(module) -> str | None``, a module's ``_repr_html_``.
+RENDERERS: dict[str, Callable[..., Any]] = {}
+
 
 class State(Declaration):
     """An array the model declares: its collection, shape, initializer and dtypes.
@@ -281,6 +287,12 @@ class State(Declaration):
             return format(repr(self), spec)
         return format(self.value, spec)
 
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        # A declaration is a pytree whose flattening reads its value, so treescope's pytree
+        # handler would raise outside a call: it renders as a declaration instead.
+        render = RENDERERS.get("state")
+        return NotImplemented if render is None else render(self, path, subtree_renderer)
+
     def __repr__(self) -> str:
         where = ""
         if self._lamina_path is not None:
@@ -411,6 +423,66 @@ class Parameter(State):
         super().__init__(
             "params", shape, init, dtype, param_dtype, mutable=False, tags=tags, sharding=sharding
         )
+
+
+class FrozenParam(State):
+    """A parameter left out of training: collection ``"params"``, but not a `Parameter`.
+
+    `lm.freeze` turns the chosen parameters of a copy of a model into `FrozenParam`s: paths,
+    shapes, dtypes and checkpoints stay the same, while every filter for `lm.Parameter`
+    (`lm.grad`'s default, `lm.split`, `lm.mask`) leaves them out, so an optimizer never
+    updates them. The string ``"params"`` still matches them, and so does ``"frozen"``.
+
+    Its value is read through `jax.lax.stop_gradient`, so differentiating anyway (plain
+    `jax.grad` over the whole variables dict, or a filter such as ``"params"`` that includes
+    it) gives exact zeros for it. An optimizer with weight decay over the whole tree would
+    still shrink it: give the optimizer ``lm.split(model, variables, lm.Parameter, ...)[0]``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, lamina as lm
+        >>> w = lm.FrozenParam((3, 4), lm.initializers.lecun_normal())
+        >>> w.collection, w.mutable, isinstance(w, lm.Parameter)
+        ('params', False, False)
+        >>> model = lm.freeze(lm.Dense(2, 1), where=lm.PathContains("kernel"))
+        >>> init, apply = lm.transform(model)
+        >>> loss = lambda v: jnp.sum(apply(v, None, jnp.ones((1, 2)))[0])
+        >>> jax.grad(loss)(init(jax.random.key(0)))["params"]
+        {'bias': Array([1.], dtype=float32), 'kernel': Array([[0.],
+               [0.]], dtype=float32)}
+    """
+
+    _lamina_fixed_collection = True
+
+    def __init__(
+        self,
+        shape: Sequence[int] | int,
+        init: Initializer,
+        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype = None,
+        *,
+        tags: Sequence[str] | str = (),
+        sharding: Sequence[str | None] | None = None,
+    ):
+        tags = (tags,) if isinstance(tags, str) else tuple(tags)
+        super().__init__(
+            "params",
+            shape,
+            init,
+            dtype,
+            param_dtype,
+            mutable=False,
+            tags=(*tags, "frozen") if "frozen" not in tags else tags,
+            sharding=sharding,
+        )
+
+    @property
+    def value(self) -> Any:
+        """The bound array inside a call, as `State.value`, behind `jax.lax.stop_gradient`."""
+        return jax.lax.stop_gradient(super().value)
+
+    @value.setter
+    def value(self, new: Any) -> None:
+        State.value.fset(self, new)  # type: ignore[attr-defined]  # mypy: an overload
 
 
 class BatchStat(State):

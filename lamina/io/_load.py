@@ -329,15 +329,25 @@ def _check_against_plan(
         key: _Described(info.shape, DTYPES.get(info.code, info.code))
         for key, info in zip(keys, tensors, strict=True)
     }
-    check_variables(
-        plan,
-        found,
-        f"lm.load of {path}",
-        dtypes=True,
-        hint="Was it saved from another model, or another version of this one? lm.load(path) "
+    hint = (
+        "Was it saved from another model, or another version of this one? lm.load(path) "
         "without a model reads it as it is; carry the matching weights over with "
-        "lm.assign_variables, and cast dtypes with jax.tree.map.",
+        "lm.assign_variables, and cast dtypes with jax.tree.map."
     )
+    same_layout = set(found) == set(plan.index) and all(
+        tuple(found[entry.key].shape) == entry.shape for entry in plan.variables
+    )
+    if same_layout:  # only dtypes differ: a float32 file for a model that stores bfloat16...
+        hint = (
+            "The file holds the model's variables in other dtypes (a float32 checkpoint for a "
+            "model whose lm.with_policy stores bfloat16, say), and lm.load never casts "
+            "silently. Cast explicitly, either into the model's initial values: model = "
+            "lm.assign_variables(model, lm.load(path)) (each value rounded to its variable's "
+            "storage dtype; overflow is an error), or into a variables dict: variables = "
+            "jax.tree.map(lambda a, t: a.astype(t.dtype), lm.load(path), "
+            "jax.eval_shape(lm.transform(model).init, jax.random.key(0)))."
+        )
+    check_variables(plan, found, f"lm.load of {path}", dtypes=True, hint=hint)
 
 
 class _Described(NamedTuple):

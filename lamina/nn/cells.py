@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from .._core.frame import current_frame, require_frame
 from .._core.module import Module
 from .._core.types import Dtype, Initializer
-from .._core.variables import Parameter
+from .._core.variables import FrozenParam, Parameter
 from . import _checks, _dtypes
 from .linear import Dense
 
@@ -135,6 +135,10 @@ class DenseCell(Module, abc.ABC):
 
     The base of `LSTMCell`, `OptimizedLSTMCell`, `GRUCell`, `MGUCell` and `SimpleCell`.
     """
+
+    # lm.with_policy: the carry this method makes goes in and out of every call, so under
+    # a policy it is made in the dtype the calls exchange it in (_core/casting.py).
+    _lamina_carry_methods = ("initialize_carry",)
 
     num_feature_axes = 1  # the trailing axes that are features, not batch (as Linen's)
     _gates: tuple[str, ...] = ()
@@ -413,12 +417,12 @@ def _gate_table(
 def is_parameter(
     declaration: Any, shape: tuple[int, ...], dtype: Dtype, param_dtype: Dtype
 ) -> bool:
-    """Whether `declaration` is exactly a `Parameter` of `shape`, `dtype` and `param_dtype`.
+    """Whether `declaration` is exactly a `Parameter` (or `FrozenParam`) of `shape` and dtypes.
 
     Such an array is what a fused path may read in place of calling the layer that holds it.
     """
     return (
-        type(declaration) is Parameter
+        type(declaration) in (Parameter, FrozenParam)
         and declaration.shape == shape
         and declaration.dtype == dtype
         and declaration.param_dtype == param_dtype

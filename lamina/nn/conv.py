@@ -219,6 +219,10 @@ class Conv(Convolution):
         (1, 7, 4)
     """
 
+    # lm.with_policy: this __call__ casts every floating input (and variable) to the
+    # layer's dtype itself, and returns that dtype, so a policy adds no casts to it.
+    _lamina_casts_inputs = True
+
     groups = _checks.Setting()
     input_dilation = _checks.Setting()
 
@@ -334,6 +338,10 @@ class ConvTranspose(Convolution):
         >>> apply(variables, None, jnp.ones((2, 7, 7, 16)))[0].shape
         (2, 14, 14, 8)
     """
+
+    # lm.with_policy: this __call__ casts every floating input (and variable) to the
+    # layer's dtype itself, and returns that dtype, so a policy adds no casts to it.
+    _lamina_casts_inputs = True
 
     transpose_kernel = _checks.Setting()
 

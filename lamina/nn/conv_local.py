@@ -152,6 +152,10 @@ class ConvLocal(Convolution):
         (2, 6, 4)
     """
 
+    # lm.with_policy: this __call__ casts every floating input (and variable) to the
+    # layer's dtype itself, and returns that dtype, so a policy adds no casts to it.
+    _lamina_casts_inputs = True
+
     spatial_shape = _checks.Setting()
     input_dilation = _checks.Setting()
 

@@ -92,6 +92,10 @@ class ConvLSTMCell(Module):
         (2, 5, 8, 8, 4)
     """
 
+    # lm.with_policy: the carry this method makes goes in and out of every call, so under
+    # a policy it is made in the dtype the calls exchange it in (_core/casting.py).
+    _lamina_carry_methods = ("initialize_carry",)
+
     in_size = _checks.Setting()
     hidden_size = _checks.Setting()
     kernel_size = _checks.Setting()

@@ -118,6 +118,10 @@ class DenseGeneral(Module):
         (2, 7, 5, 6)
     """
 
+    # lm.with_policy: this __call__ casts every floating input (and variable) to the
+    # layer's dtype itself, and returns that dtype, so a policy adds no casts to it.
+    _lamina_casts_inputs = True
+
     in_size = _checks.Setting()
     out_size = _checks.Setting()
     axis = _checks.Setting()

@@ -81,6 +81,10 @@ class Dense(Module):
         (3, 2)
     """
 
+    # lm.with_policy: this __call__ casts every floating input (and variable) to the
+    # layer's dtype itself, and returns that dtype, so a policy adds no casts to it.
+    _lamina_casts_inputs = True
+
     in_size = _checks.Setting()
     out_size = _checks.Setting()
     use_bias = _checks.Setting()
@@ -209,6 +213,10 @@ class Embed(Module):
         >>> attend(variables, None, jnp.ones((2, 8)))[0].shape
         (2, 100)
     """
+
+    # lm.with_policy: this __call__ casts every floating input (and variable) to the
+    # layer's dtype itself, and returns that dtype, so a policy adds no casts to it.
+    _lamina_casts_inputs = True
 
     num_embeddings = _checks.Setting()
     size = _checks.Setting()

@@ -10,6 +10,7 @@ lm.LoRAParam))``, ``lm.split(model, variables, lm.LoRAParam, ...)``); for infere
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -193,6 +194,10 @@ class LoRA(Module):
         True
     """
 
+    # lm.with_policy: this __call__ casts every floating input to `dtype` (the base layer
+    # its own), and returns the base's dtype, so a policy adds no casts to it.
+    _lamina_casts_inputs = True
+
     base = _checks.Setting()
     rank = _checks.Setting()
     alpha = _checks.Setting()
@@ -336,6 +341,8 @@ def merge_lora(model: Module, variables: Variables) -> tuple[Module, Variables]:
             f"({len(missing)}): {format_list(missing)}. Pass all the model's variables, or at "
             f"least {{'params': variables['params']}}."
         )
+    for _, lora in loras:
+        _carry_policy(lora)
     merged = _replace_loras(merged, loras)
     folds = {id(lora.base.kernel): lora for _, lora in loras}
     items = []
@@ -354,6 +361,32 @@ def merge_lora(model: Module, variables: Variables) -> tuple[Module, Variables]:
             value = merge(value, lora_a, lora_b)
         items.append((entry.key, value))
     return merged, nest(items)
+
+
+def _carry_policy(lora: LoRA) -> None:
+    """Gives `lora`'s base the mixed-precision marks of `lora` (see `lm.with_policy`).
+
+    The merged layer then computes and returns in the dtypes the LoRA did.
+    The base keeps a policy mark of its own (the innermost wins); the casts around its call
+    become the LoRA's: its inputs as the LoRA cast them, else as the base did, its outputs as
+    the LoRA returned them, else as the base did.
+    """
+    outer, inner = vars(lora), vars(lora.base)
+    if "_lamina_policy" in outer:
+        inner.setdefault("_lamina_policy", outer["_lamina_policy"])
+    around, within = outer.get("_lamina_boundary"), inner.get("_lamina_boundary")
+    if around is None:
+        return
+    if within is None:
+        inner["_lamina_boundary"] = around
+        return
+    inner["_lamina_boundary"] = dataclasses.replace(
+        around,
+        input_dtype=within.input_dtype if within.input_dtype is not None else around.input_dtype,
+        output_dtype=around.output_dtype
+        if around.output_dtype is not None
+        else within.output_dtype,
+    )
 
 
 def _replace_loras(root: Module, loras: list[tuple[Path, LoRA]]) -> Module:

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from .. import initializers
 from .._core.module import Module
 from .._core.types import Dtype, Initializer, PrecisionLike
-from .._core.variables import Cache, Parameter, State
+from .._core.variables import Cache, FrozenParam, Parameter, State
 from . import _checks, _dtypes
 from ._projections import Projection, dense_general, project_heads_out, project_qkv
 from .attention import check_broadcast, check_key, check_mask, dot_product_attention
@@ -167,6 +167,10 @@ class MultiHeadAttention(Module):
         >>> [w.shape for w in new["intermediates"]["attention_weights"]]
         [(3, 2, 5, 5)]
     """
+
+    # lm.with_policy: this __call__ casts every floating input (and variable) to the
+    # layer's dtype itself, and returns that dtype, so a policy adds no casts to it.
+    _lamina_casts_inputs = True
 
     num_heads = _checks.Setting()
     in_size = _checks.Setting()
@@ -571,9 +575,9 @@ class MultiHeadAttention(Module):
     def _arrays(self, name: str) -> tuple[jax.Array, jax.Array | None]:
         """The kernel and bias of the projection `name`, the layer's own `Projection`.
 
-        They are read, not called: the kernel must still be exactly a `Parameter` of the shape
-        the layer built (a replaced one of another shape would change the heads' shape
-        silently), the bias none or a `Parameter` of its shape.
+        They are read, not called: the kernel must still be exactly a `Parameter` (or
+        `FrozenParam`) of the shape the layer built (a replaced one of another shape would
+        change the heads' shape silently), the bias none or one of its shape.
         """
         layer = getattr(self, name)
         heads = (self.num_heads, self.head_dim)
@@ -590,7 +594,7 @@ class MultiHeadAttention(Module):
         for what, declaration, shape in (("kernel", kernel, shapes[0]), ("bias", bias, shapes[1])):
             if what == "bias" and declaration is None:
                 continue
-            if type(declaration) is not Parameter or declaration.shape != shape:
+            if type(declaration) not in (Parameter, FrozenParam) or declaration.shape != shape:
                 got = (
                     f"a {type(declaration).__name__} of shape {declaration.shape}"
                     if isinstance(declaration, State)

@@ -6,7 +6,8 @@ the variables dict; it stores nothing. `filters.py` holds the filter language
 (`split`, `merge`, `filter_variables`, `mask`); `autodiff.py` differentiates part of a
 variables argument (`DiffState`, `grad`, `value_and_grad`); `submodule.py` takes a
 submodule's slice of the variables out and puts it back (`take_variables`,
-`put_variables`). It imports only the core.
+`put_variables`); `surgery.py` edits a copy of the model by filter (`replace` submodules,
+`freeze` parameters). It imports only the core.
 """
 
 from .autodiff import DiffState as DiffState
@@ -27,3 +28,5 @@ from .partition import merge as merge
 from .partition import split as split
 from .submodule import put_variables as put_variables
 from .submodule import take_variables as take_variables
+from .surgery import freeze as freeze
+from .surgery import replace as replace

@@ -187,6 +187,83 @@ def _paths_reachable_from(plan: Plan, module_type: type) -> frozenset[Path]:
     return frozenset(plan.variables[slot].path for owner in owners for slot in plan.slots_of(owner))
 
 
+ModulePredicate = Callable[[Path, Module], bool]
+
+
+_MODULE_LITERALS = (
+    "A module filter is a Module class (lm.Dense), lm.PathContains('name'), True or ... (every "
+    "module), False or None (none), a function (path, module) -> bool, or a tuple/list or "
+    "lm.Any/lm.All/lm.Not of these."
+)
+
+
+def module_predicate(filter: Filter, what: str) -> ModulePredicate:
+    """Converts a filter into a predicate ``(path, module) -> bool`` over a model's modules.
+
+    For the functions that choose modules, not variables (`lm.replace`, `lm.with_policy`,
+    `lm.capture_intermediates`): a `Module` class matches its instances (subclasses too), a
+    `PathContains` the modules whose path holds the key (the same text rule as for
+    variables), ``...``/True every module, False/None none, ``Any``/``All``/``Not`` and
+    tuples combine, and a function is called as ``fn(path, module)``.
+
+    Args:
+        filter: The filter.
+        what: The caller, as messages name it (``"lm.replace"``).
+
+    Returns:
+        The predicate.
+
+    Raises:
+        TypeError: The filter selects variables, not modules (a string, a `State` kind, or
+            ``lm.WithTag``), or is not a filter; the message says what to write instead.
+
+    Example:
+        >>> import lamina as lm
+        >>> from lamina.selection.filters import module_predicate
+        >>> is_dense = module_predicate((lm.Dense, lm.PathContains("head")), "example")
+        >>> is_dense(("body",), lm.Dense(2, 3)), is_dense(("head",), lm.LayerNorm(3))
+        (True, True)
+    """
+    try:
+        predicate = _convert(filter)
+    except TypeError as error:
+        message = (
+            str(error)
+            .replace("filter(path, variable)", "fn(path, module)")
+            .replace(
+                "and the declaration, e.g. lambda path, variable: 'kernel' in path",
+                "and the module, e.g. lambda path, module: 'encoder' in path",
+            )
+        )
+        raise TypeError(f"{what}: {message.split(' A filter is ')[0]} {_MODULE_LITERALS}") from None
+    return _for_modules(predicate, what)
+
+
+def _for_modules(predicate: Predicate, what: str) -> ModulePredicate:
+    if isinstance(predicate, (Everything, Nothing)):
+        answer = isinstance(predicate, Everything)
+        return lambda path, module: answer
+    if isinstance(predicate, PathContains):
+        return lambda path, module: predicate(path, None)  # type: ignore[arg-type]
+    if isinstance(predicate, OfType) and issubclass(predicate.type, Module):
+        kind = predicate.type
+        return lambda path, module: isinstance(module, kind)
+    if isinstance(predicate, (OfType, WithTag)):
+        raise TypeError(
+            f"{what}: the filter {predicate!r} selects variables, not modules. {what} chooses "
+            f"modules: pass a Module class (lm.Dense), lm.PathContains('name'), ... for every "
+            f"module, or a function (path, module) -> bool."
+        )
+    if isinstance(predicate, (Any, All)):
+        parts = [_for_modules(p, what) for p in predicate.filters]
+        combine = builtins.any if isinstance(predicate, Any) else builtins.all
+        return lambda path, module: combine(p(path, module) for p in parts)
+    if isinstance(predicate, Not):
+        inner = _for_modules(predicate.filter, what)
+        return lambda path, module: not inner(path, module)
+    return predicate  # type: ignore[return-value]  # a user's function (path, module)
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class WithTag:
     """Matches variables in collection `tag`, or carrying `tag` among their `tags`.

@@ -28,12 +28,14 @@ from .._core.graph import Plan, VariableEntry
 from .._core.layout import nest, present_variables
 from .._core.module import Module
 from .._core.types import Variables
+from .._core.variables import FrozenParam, Parameter
 from .filters import (
     All,
     Everything,
     Filter,
     Not,
     Nothing,
+    OfType,
     PathContains,
     Predicate,
     WithTag,
@@ -213,14 +215,38 @@ def nothing_selected(
         elsewhere = []
     lines.append(describe_model(plan))
     hints = [hint for _, _, p in selectors for hint in _suggestions(p, plan)]
+    frozen = _frozen_note([p for _, _, p in selectors], plan)
     if hints:
         lines.append("Did you mean " + " or ".join(dict.fromkeys(hints)) + "?")
-    elif not elsewhere:
+    if frozen:
+        lines.append(frozen)
+    elif not hints and not elsewhere:
         lines.append(
             "Choose a filter that selects something: a collection ('params'), a variable "
             "type (lm.Parameter), a module class (lm.Dense) or lm.PathContains('name')."
         )
     return "\n  ".join(lines)
+
+
+def _frozen_note(predicates: list[Predicate], plan: Plan) -> str | None:
+    """What to say when a filter for trainable parameters meets frozen ones (`lm.freeze`)."""
+    wants_trainable = any(
+        isinstance(leaf, OfType) and issubclass(leaf.type, Parameter)
+        for predicate in predicates
+        for leaf in leaves(predicate)
+    )
+    frozen = [entry.name for entry in plan.declared if isinstance(entry.state, FrozenParam)]
+    if not wants_trainable or not frozen:
+        return None
+    which = "parameter" if len(frozen) == 1 else "parameters"
+    verb = "is an" if len(frozen) == 1 else "are"
+    return (
+        f"The {which} {format_list(frozen)} {verb} lm.FrozenParam (made by lm.freeze, kept by "
+        f"lm.merge_lora): not lm.Parameter, so nothing trains them, and selecting them anyway "
+        f"('params') gives zero gradients. To train them, use the model as it was before "
+        f"lm.freeze (after lm.merge_lora: before lm.replace, whose paths the merged variables "
+        f"have) holding these values: lm.assign_variables(unfrozen_model, variables)."
+    )
 
 
 def describe_model(plan: Plan) -> str:
@@ -242,12 +268,13 @@ def describe_model(plan: Plan) -> str:
     )
 
 
-def _leaves(predicate: Predicate) -> Iterable[Predicate]:
+def leaves(predicate: Predicate) -> Iterable[Predicate]:
+    """The filters a combined filter (`Any`, `All`, `Not`) is made of, innermost, in order."""
     if isinstance(predicate, (AnyOf, All)):
         for part in predicate.filters:
-            yield from _leaves(part)
+            yield from leaves(part)
     elif isinstance(predicate, Not):
-        yield from _leaves(predicate.filter)
+        yield from leaves(predicate.filter)
     else:
         yield predicate
 
@@ -259,7 +286,7 @@ def _suggestions(predicate: Predicate, plan: Plan) -> list[str]:
     )
     parts = sorted({str(k) for e in plan.variables for k in e.path})
     hints = []
-    for leaf in _leaves(predicate):
+    for leaf in leaves(predicate):
         if isinstance(leaf, WithTag) and leaf.tag not in names:
             hints += [repr(name) for name in difflib.get_close_matches(leaf.tag, names, n=2)]
             key = leaf.tag.split("/", 1)[1] if leaf.tag.split("/")[0] in names else leaf.tag
