@@ -442,6 +442,7 @@ def train(args, data: Text) -> dict:
         f"model: {args.layers} layers, {args.heads} heads, width {args.width}, context "
         f"{args.block_size}, {'tied' if args.tie else 'untied'} output layer, "
         f"{num_params:,} parameters"
+        + ("; the blocks compute in bfloat16" if args.precision == "bfloat16" else "")
     )
     optimizer, _ = make_optimizer(args, model, shapes)
     devices = batch_devices(args.devices, args.batch_size)

@@ -103,6 +103,7 @@ def train(args: argparse.Namespace, data: ct.Text) -> dict:
     print(
         f"model: {args.layers} layers, {args.heads} heads, width {args.width}, context "
         f"{args.block_size}, {count:,} parameters"
+        + ("; the blocks compute in bfloat16" if args.precision == "bfloat16" else "")
     )
     platform = mesh.devices.flat[0].platform.upper()
     print(f"mesh: {args.data_parallel} x {args.model_parallel} {platform} devices (data x model)")

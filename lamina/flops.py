@@ -245,8 +245,12 @@ class _Lowering:
         found = self.transformed.get(path)
         if found is None:
             module = self.modules[path]
-            init, apply = transform(module)
-            found = (apply, jax.eval_shape(init, self.key), Plan(module))
+            plan = Plan(module)
+            # The variables' shapes from the plan, no initializer run: a value assigned to a
+            # Stack's block holds every copy (its stacked axis), which the block alone
+            # would refuse, and counting needs shapes only.
+            shapes = [jax.ShapeDtypeStruct(e.shape, e.state.param_dtype) for e in plan.variables]
+            found = (transform(module).apply, plan.treedef.unflatten(shapes), plan)
             self.transformed[path] = found
         return found
 

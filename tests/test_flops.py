@@ -134,6 +134,25 @@ def test_stack_counts_its_block_once_per_layer(unroll):
     assert own == (0 if unroll is True else 2)
 
 
+def test_a_stack_holding_assigned_values_counts_as_the_initialised_one():
+    # A value assigned to a Stack's block holds every copy; its block, lowered alone, must
+    # still count (it once showed "?" and the total the loop body once).
+    class Block(lm.Module):
+        def __init__(self):
+            self.d = lm.Dense(4, 4)
+
+        def __call__(self, x):
+            return x + self.d(x)
+
+    stack = lm.Stack(Block(), 3)
+    pretrained = lm.assign_variables(stack, lm.transform(stack).init(jax.random.key(0)))
+    x = jnp.ones((2, 4))
+    plain, assigned = lm.summary(stack, x, backward=True), lm.summary(pretrained, x, backward=True)
+    assert assigned.calls == plain.calls
+    assert (assigned.flops, assigned.grad_flops) == (plain.flops, plain.grad_flops)
+    assert all(row.flops is not None and not row.note for row in assigned.calls)
+
+
 def test_stack_with_a_remainder_and_an_unroll_beyond_its_depth():
     # unroll 2 over 5 layers: XLA sees two bodies in the loop and one after it.
     for n, unroll in [(5, 2), (4, 6)]:
