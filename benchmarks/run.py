@@ -11,7 +11,10 @@ figure, the spread, the machine: CPU, load, jax and library versions, date) and 
 - char_transformer.py: the char transformer's training step in lamina and the four peers;
 - depth.py: trace + compile time of a Python list of blocks and of a scan, per depth;
 - scale.py: transform + first init, second init, peak memory of 1,000 and 10,000 layers;
-- mnist_vs_linen.py: examples/mnist.py's seconds per epoch, lamina against Linen.
+- mnist_vs_linen.py: examples/mnist.py's seconds per epoch, lamina against Linen;
+- llm.py: a Llama-shaped model: prefill and decode time of `lm.generate` against a
+  hand-written JAX loop and transformers (PyTorch), trace + compile time at 4, 16 and 64
+  layers, and an AdamW step against Flax NNX.
 
 Each figure is the median of repeated runs after warm-up, contestants alternating round by
 round, every result waited for (`jax.block_until_ready`). Run:
@@ -38,7 +41,7 @@ import jax
 from _harness import COLUMNS, TITLES, Row
 
 HERE = pathlib.Path(__file__).parent
-PARTS = ("overhead", "train_steps", "char_transformer", "depth", "scale", "mnist_vs_linen")
+PARTS = ("overhead", "train_steps", "char_transformer", "depth", "scale", "mnist_vs_linen", "llm")
 PEERS = COLUMNS[1:]
 
 # The targets: (row id prefix, description, check(row) -> (met, figure))
@@ -64,6 +67,19 @@ def _best_peer_target(row: Row, noise: float = 0.05):
     return ratio <= 1.0 + noise, f"{ratio:.3f}x the best peer ({best})"
 
 
+def _transformers_target(row: Row):
+    # transformers has no column: its figure is in the row's extra (benchmarks/llm.py)
+    if "transformers" not in row.extra:
+        return None, "transformers not measured"
+    ratio = row.values["lamina"] / row.extra["transformers"]
+    return ratio < 1.0, f"{ratio:.3f}x transformers"
+
+
+def _jax_loop_target(row: Row):
+    ratio = row.values["lamina"] / row.values["jax"]
+    return ratio <= 1.05, f"{ratio:.3f}x the hand-written JAX loop"
+
+
 def _scale_target(row: Row):
     seconds = row.values["lamina"]
     return seconds < 2.0, f"{seconds:.2f} s"
@@ -75,7 +91,14 @@ TARGETS = [
     ("step_overhead", "jitted step <= 1.0x the best peer (within 5% noise)", _best_peer_target),
     ("train_", "training step <= 1.0x the best peer (within 5% noise)", _best_peer_target),
     ("mnist_epoch", "epoch <= 1.0x Linen (within 5% noise)", _best_peer_target),
+    ("llm_", "generation faster than transformers (PyTorch, its KV cache)", _transformers_target),
+    ("llm_", "generation <= 1.05x the hand-written JAX loop", _jax_loop_target),
     ("scale_setup_10000", "transform + first init of 10,000 modules < 2 s", _scale_target),
+]
+# Compile time flat in depth: (row id prefix, description, the deepest row's limit as a multiple
+# of the shallowest's), checked on lamina's column of the rows of one prefix (extra["depth"])
+DEPTH_TARGETS = [
+    ("compile_llm_", "LLM compile time flat in depth (deepest <= 1.5x shallowest)", 1.5),
 ]
 
 
@@ -163,6 +186,20 @@ def targets(rows: list[Row]) -> list[dict]:
             if row.id.startswith(prefix) and "lamina" in row.values:
                 met, figure = check(row)
                 found.append({"row": row.id, "target": what, "met": met, "figure": figure})
+    for prefix, what, limit in DEPTH_TARGETS:
+        chosen = sorted(
+            (r for r in rows if r.id.startswith(prefix) and "lamina" in r.values),
+            key=lambda r: r.extra["depth"],
+        )
+        if len(chosen) < 2:
+            continue
+        shallow, deep = chosen[0], chosen[-1]
+        ratio = deep.values["lamina"] / shallow.values["lamina"]
+        figure = (
+            f"{ratio:.3g}x: {deep.values['lamina']:.3g} s at {deep.extra['depth']} layers, "
+            f"{shallow.values['lamina']:.3g} s at {shallow.extra['depth']}"
+        )
+        found.append({"row": deep.id, "target": what, "met": ratio <= limit, "figure": figure})
     return found
 
 

@@ -20,6 +20,7 @@ from . import data as data
 from . import initializers as initializers
 from . import interop as interop
 from . import io as io
+from . import models as models
 from . import utils as utils
 from ._core.errors import CheckpointError as CheckpointError
 from ._core.errors import FrozenModuleError as FrozenModuleError
@@ -63,6 +64,7 @@ from .lift import vmap as vmap
 from .lift import while_loop as while_loop
 from .model_summary import Summary as Summary
 from .model_summary import summary as summary
+from .models import generate as generate
 from .nn import RNN as RNN
 from .nn import BatchNorm as BatchNorm
 from .nn import Bidirectional as Bidirectional
@@ -75,6 +77,7 @@ from .nn import DenseGeneral as DenseGeneral
 from .nn import Dropout as Dropout
 from .nn import Einsum as Einsum
 from .nn import Embed as Embed
+from .nn import GatedMLP as GatedMLP
 from .nn import GroupNorm as GroupNorm
 from .nn import GRUCell as GRUCell
 from .nn import InstanceNorm as InstanceNorm
@@ -86,11 +89,13 @@ from .nn import MGUCell as MGUCell
 from .nn import MultiHeadAttention as MultiHeadAttention
 from .nn import OptimizedLSTMCell as OptimizedLSTMCell
 from .nn import RMSNorm as RMSNorm
+from .nn import RotaryEmbedding as RotaryEmbedding
 from .nn import Sequential as Sequential
 from .nn import SimpleCell as SimpleCell
 from .nn import SpectralNorm as SpectralNorm
 from .nn import Stack as Stack
 from .nn import WeightNorm as WeightNorm
+from .nn import apply_rotary as apply_rotary
 from .nn import avg_pool as avg_pool
 from .nn import combine_masks as combine_masks
 from .nn import dot_product_attention as dot_product_attention
@@ -102,6 +107,7 @@ from .nn import max_pool as max_pool
 from .nn import merge_lora as merge_lora
 from .nn import min_pool as min_pool
 from .nn import pool as pool
+from .nn import rope_frequencies as rope_frequencies
 from .precision import DynamicLossScale as DynamicLossScale
 from .precision import Policy as Policy
 from .precision import all_finite as all_finite

@@ -16,3 +16,13 @@ def getkey():
     """Returns a function that hands out fresh keys, one per call."""
     keys = iter(jax.random.split(jax.random.key(0), 1000))
     return lambda: next(keys)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """``build(name) -> (folder, torch_model)``: tiny random HF checkpoints (tests/hf_models.py)."""
+    pytest.importorskip("transformers")
+    from tests.hf_models import hf_folder
+
+    root = tmp_path_factory.mktemp("hf")
+    return lambda name: hf_folder(name, root)

@@ -303,6 +303,17 @@ def test_assign_flags_must_be_bools():
         lm.assign_variables(Mlp(6, 5, 3), pretrained(), strict="no")
 
 
+def test_a_dict_passed_as_a_flag_is_shown_short():
+    """``assign_variables(model, v, v)``: the message names the type and a cut repr, not
+    every array of the dict."""
+    variables = pretrained()
+    with pytest.raises(
+        TypeError, match=r"strict must be True or False, got dict \{'params': .{0,100}\.\.\.\.$"
+    ) as error:
+        lm.assign_variables(Mlp(6, 5, 3), variables, variables)
+    assert len(str(error.value)) < 200 < len(repr(variables))
+
+
 @pytest.mark.parametrize("array", [np.array(["a", "b"]), np.array([None, 1], dtype=object)])
 def test_assign_refuses_an_array_that_is_not_numeric(array):
     with pytest.raises(

@@ -108,3 +108,40 @@ def test_the_example_compiles_to_linens_program():
     differing, convolutions, dots = json.loads(done.stdout.splitlines()[-1])
     assert differing == ["add", "constant"]
     assert (convolutions, dots) == (5, 6)
+
+
+@pytest.mark.slow
+def test_smoke_run_llm(tmp_path):
+    """The Llama-shaped model's rows (benchmarks/llm.py; smoke: batch 2 alone): generation
+    against the hand-written JAX loop (and transformers, in extra, when installed), compile
+    time per depth and its flatness target, AdamW against NNX; every contestant wrote the same
+    first tokens and the same loss (checked by the part itself before timing)."""
+    results = smoke(tmp_path, ["llm"])
+    check_rows(
+        results,
+        {
+            "llm_prefill_b2",
+            "llm_decode_b2",
+            "compile_llm_1",
+            "compile_llm_2",
+            "train_llm",
+        },
+    )
+    rows = {row["id"]: row for row in results["rows"]}
+    assert set(rows["llm_decode_b2"]["values"]) == {"jax", "lamina"}
+    assert set(rows["train_llm"]["values"]) == {"jax", "lamina", "nnx"}
+    assert rows["compile_llm_2"]["extra"] == {"depth": 2, "kind": "llm forward"}
+    targets = {(t["row"], t["target"]) for t in results["targets"]}
+    assert ("llm_decode_b2", "generation <= 1.05x the hand-written JAX loop") in targets
+    flat = "LLM compile time flat in depth (deepest <= 1.5x shallowest)"
+    assert ("compile_llm_2", flat) in targets
+    assert any(t["row"] == "train_llm" for t in results["targets"])
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return
+    decode = rows["llm_decode_b2"]["extra"]
+    assert decode["transformers"] > 0 and decode["lamina_over_transformers"] > 0
+    assert decode["tokens_per_second"]["transformers"] > 0
+    assert set(decode["token_agreement_with_raw_jax"]) == {"lamina", "transformers"}
+    assert (tmp_path / "depth.png").is_file()

@@ -534,7 +534,7 @@ def test_every_mismatch_with_the_model_is_listed_in_one_error(tmp_path, net):
 def test_a_model_check_happens_before_any_data_is_read(tmp_path, net, monkeypatch):
     _, _, variables, _ = net
     lm.save(tmp_path / "net.safetensors", variables)
-    monkeypatch.setattr(_load, "_read_array", lambda *a: pytest.fail("data was read"))
+    monkeypatch.setattr(_load, "read_array", lambda *a: pytest.fail("data was read"))
     with pytest.raises(lm.VariablesError, match="wrong shape"):
         lm.load(tmp_path / "net.safetensors", Net(hidden=16))
 
@@ -580,7 +580,7 @@ import jax, jax.numpy as jnp, numpy as np
 import safetensors.numpy
 import lamina as lm
 from jax.sharding import NamedSharding, PartitionSpec as P
-from lamina.io import _load, _save
+from lamina.io import _load, _save, tensors
 
 path = sys.argv[1]
 auto = (jax.sharding.AxisType.Auto,) * 2  # GSPMD propagates shardings through apply
@@ -632,12 +632,12 @@ package = safetensors.numpy.load_file(path)
 assert np.array_equal(package["params/dense/kernel"], expected["params"]["dense"]["kernel"])
 
 reads = []
-read_block = _load._read_block
+read_block = tensors.read_block
 def recording_read(source, index):
     block = read_block(source, index)
     reads.append((source.shape, block.shape))
     return block
-_load._read_block = recording_read
+tensors.read_block = recording_read
 loaded = lm.load(path, model, shardings=shardings)
 for got, want, sharding in zip(
     jax.tree.leaves(loaded), jax.tree.leaves(expected), jax.tree.leaves(shardings), strict=True

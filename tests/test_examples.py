@@ -4,7 +4,9 @@ import argparse
 import importlib
 import json
 import pathlib
+import re
 import runpy
+import shutil
 import sys
 
 import jax
@@ -196,3 +198,193 @@ def test_fine_tuning_examples_bad_arguments(name, monkeypatch, tmp_path):
         run_example(name, ["--data-dir", str(tmp_path / "missing")], monkeypatch)
     with pytest.raises(SystemExit):
         run_example(name, ["--steps", "0"], monkeypatch)
+
+
+# --- the language-model examples (issue 24) ---------------------------------------------
+
+
+def example_namespace(name, monkeypatch):
+    """The functions of `examples/<name>`, without running it."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    return runpy.run_path(str(EXAMPLES / name), run_name="example")
+
+
+def test_generate_example_random_model_is_greedy(monkeypatch, capsys, tmp_path):
+    argv = ["--prompt", "Hi", "--max-new-tokens", "8", "--repeats", "1", "--quiet"]
+    argv += ["--out", str(tmp_path)]
+    example = example_namespace("generate.py", monkeypatch)
+    built = []  # the model the example builds, kept to check its tokens (one init, not two)
+    random_model = example["random_model"]
+    example["load"].__globals__["random_model"] = lambda *a: (
+        built.append(random_model(*a)) or built[-1]
+    )
+    monkeypatch.setattr(sys, "argv", ["generate.py", *argv])
+    with jax.numpy_dtype_promotion("standard"):
+        results = example["main"](argv)
+    assert results["prompt_ids"] == [72, 105]  # the UTF-8 bytes of "Hi"
+    assert results["new_tokens"] == 8 and not results["stopped_at_eos"]
+    assert results["prefill_seconds"] > 0 and results["tokens_per_second_overall"] > 0
+    speed = results["decode_tokens_per_second"]  # None: too fast to time apart (a busy machine)
+    out = capsys.readouterr().out
+    assert "a random Llama-shaped model over bytes (no --checkpoint)" in out
+    assert ("tokens/s decoding" in out) == (speed is not None) and "prefill" in out
+    assert "compiling (the first call's time less a later one's)" in out
+    assert results["whole_text"] == results["prompt_text"] + results["text"]  # no split char
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["new_ids"] == results["new_ids"] and "--quiet" in saved["command"]
+    # greedy: each new token is the argmax of the full (cache-free) forward pass before it
+    [(model, variables)] = built
+    ids = jax.numpy.asarray([results["prompt_ids"] + results["new_ids"]], dtype="int32")
+    with jax.numpy_dtype_promotion("standard"):
+        logits, _ = jax.jit(lm.transform(model).apply)(variables, None, ids)
+    expected = logits[0, 1:-1].argmax(-1).tolist()
+    assert results["new_ids"] == expected
+
+
+def test_generate_example_matches_transformers(monkeypatch, hf_checkpoint):
+    torch = pytest.importorskip("torch")
+    folder, hf = hf_checkpoint("llama")
+    prompt = [5, 17, 99, 3]
+    argv = ["--checkpoint", str(folder), "--prompt-ids", *map(str, prompt)]
+    argv += ["--max-new-tokens", "7", "--repeats", "1", "--eos-id", "127", "--quiet"]
+    results = run_example("generate.py", argv, monkeypatch)
+    with torch.no_grad():
+        expected = hf.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=7, top_k=None, eos_token_id=127
+        )
+    assert results["prompt_ids"] + results["new_ids"] == expected[0].tolist()
+
+
+def test_generate_example_bad_arguments(monkeypatch, tmp_path, hf_checkpoint):
+    with pytest.raises(SystemExit, match=r"error: no checkpoint folder at .*--checkpoint"):
+        run_example("generate.py", ["--checkpoint", str(tmp_path / "missing")], monkeypatch)
+    with pytest.raises(SystemExit, match=r"error: from_pretrained: .* has no config.json"):
+        run_example("generate.py", ["--checkpoint", str(tmp_path)], monkeypatch)
+    with pytest.raises(SystemExit, match=r"error: prompt token ids \[256\].*vocabulary \[0, 256\)"):
+        run_example("generate.py", ["--prompt-ids", "1", "256", "--quiet"], monkeypatch)
+    folder, _ = hf_checkpoint("llama")  # no tokenizer.json: byte ids only for the random model
+    with pytest.raises(
+        SystemExit, match=r"error: .*no tokenizer.json.*tokenizer.model.*--prompt-ids"
+    ):
+        run_example("generate.py", ["--checkpoint", str(folder), "--prompt", "x"], monkeypatch)
+    argv = ["--checkpoint", str(folder), "--prompt-ids", "1", "2", "3", "--max-new-tokens"]
+    with pytest.raises(
+        SystemExit,
+        match=r"error: 3 prompt tokens plus --max-new-tokens 100000 "
+        r"exceed .*max_position_embeddings \((\d+)\): use --max-new-tokens \d+ or fewer",
+    ):
+        run_example("generate.py", [*argv, "100000"], monkeypatch)
+    for argv in (
+        ["--top-k", "5"],
+        ["--max-new-tokens", "0"],
+        ["--temperature", "1", "--top-p", "2"],
+    ):
+        with pytest.raises(SystemExit):
+            run_example("generate.py", argv, monkeypatch)
+
+
+def test_generate_example_decodes_the_continuation_with_the_prompt(monkeypatch):
+    """A SentencePiece-style (Metaspace) decoder drops a leading space: the new text is the
+    whole output's decoding less the prompt's, not the new ids decoded alone."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"<unk>": 0, "\u2581The": 1, "\u2581cat": 2, "\u2581sat": 3}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.decoder = tokenizers.decoders.Metaspace()
+    assert tokenizer.decode([3]) == "sat"  # alone, the space is gone
+    example = example_namespace("generate.py", monkeypatch)
+    assert example["continuation"]([1, 2], [1, 2, 3], tokenizer) == (
+        "The cat",
+        " sat",
+        "The cat sat",
+    )
+    # bytes (the random model): a character split between the prompt and the continuation
+    euro = list("x€".encode())
+    assert example["continuation"](euro[:2], euro, None) == ("x\ufffd", "€", "x€")
+
+
+def test_finetune_llm_example(monkeypatch, capsys, tmp_path):
+    argv = ["--steps", "60", "--eval-interval", "30", "--block-size", "32", "--quiet"]
+    results = run_example("finetune_llm.py", [*argv, "--out", str(tmp_path)], monkeypatch)
+    out = capsys.readouterr().out
+    assert "a tiny random Llama over bytes, saved by lamina (no --checkpoint)" in out
+    assert "the standard library's" in results["data"]
+    # only the adapters train: rank 8 on query (64 -> 4x16) and value (64 -> 2x16), 2 layers
+    assert results["adapter_params"] == 2 * (8 * (64 + 64) + 8 * (64 + 32))
+    assert [row["step"] for row in results["history"]] == [0, 30, 60]
+    # from about ln 256 = 5.5; adapters on a random network learn slowly (5.2 after 50 steps)
+    assert results["val_loss"] < results["val_loss_before"] - 0.2
+    assert results["base_unchanged"]
+    assert results["merged_max_logit_difference"] < 1e-4
+    assert results["reloaded_max_logit_difference"] < 1e-4
+    assert {"config.json", "model.safetensors"} <= set(results["saved_files"])
+    saved = check_saved(results, tmp_path, out)
+    assert saved["val_loss"] == results["val_loss"] and saved["rank"] == 8
+    if results["transformers_max_logit_difference"] is not None:
+        assert results["transformers_max_logit_difference"] < 1e-4
+
+
+def test_finetune_llm_example_bad_arguments(monkeypatch, capsys, tmp_path, hf_checkpoint):
+    """Refused by the command line, before any model is built or loaded."""
+    folder, _ = hf_checkpoint("llama")
+    limit = json.loads((folder / "config.json").read_text())["max_position_embeddings"]
+    cases = {
+        f"--block-size {limit + 1} exceeds the model's max_position_embeddings \\({limit}\\)": [
+            "--checkpoint",
+            str(folder),
+            "--block-size",
+            str(limit + 1),
+        ],
+        "--block-size 513 exceeds the model's max_position_embeddings \\(512\\)": [
+            "--block-size",
+            "513",
+        ],
+        "--data: no text file at .*missing.txt": ["--data", str(tmp_path / "missing.txt")],
+    }
+    for message, argv in cases.items():
+        with pytest.raises(SystemExit, match="2"):
+            run_example("finetune_llm.py", [*argv, "--out", str(tmp_path / "run")], monkeypatch)
+        assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def character_tokenizer(folder):
+    """Writes a tokenizer.json into `folder`: one token per ASCII character, id = its code."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {chr(i): i for i in range(128)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="\x00"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Split(
+        tokenizers.Regex("."), behavior="isolated"
+    )
+    tokenizer.decoder = tokenizers.decoders.Fuse()  # decode joins the characters
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+
+def test_finetune_llm_example_on_a_transformers_checkpoint(monkeypatch, tmp_path, hf_checkpoint):
+    """A checkpoint made by transformers (Qwen2: q/k/v biases, tied embeddings), with its own
+    tokenizer: adapted, merged, saved, and loaded back in PyTorch with the adapted model's
+    logits."""
+    pytest.importorskip("torch")
+    source, _ = hf_checkpoint("qwen2")
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question. " * 60)
+    argv = ["--data", str(text), "--steps", "40", "--eval-interval", "20", "--block-size", "16"]
+    argv += ["--rank", "2", "--quiet", "--out", str(tmp_path / "run")]
+    # vocabulary 128 and no tokenizer.json: refused, with the reason
+    with pytest.raises(SystemExit, match=r"error: .*no tokenizer.json.*tokenizer.model is not"):
+        run_example("finetune_llm.py", ["--checkpoint", str(source), *argv], monkeypatch)
+    folder = tmp_path / "qwen2"
+    shutil.copytree(source, folder)
+    character_tokenizer(folder)
+    results = run_example("finetune_llm.py", ["--checkpoint", str(folder), *argv], monkeypatch)
+    assert results["model_type"] == "qwen2"
+    assert results["train_tokens"] + results["val_tokens"] == len(text.read_text())
+    assert results["val_loss"] < results["val_loss_before"]
+    assert results["transformers_max_logit_difference"] < 1e-4
+    assert results["reloaded_max_logit_difference"] < 1e-4
+    assert results["base_unchanged"]
+    assert "tokenizer.json" in results["saved_files"]  # carried over from the checkpoint
+    # the adapted model generates with the folder's tokenizer (examples/generate.py)
+    argv = ["--checkpoint", str(results["saved"]), "--prompt", "To be", "--eos-id", "127"]
+    generated = run_example("generate.py", [*argv, "--max-new-tokens", "5", "--quiet"], monkeypatch)
+    assert generated["prompt_ids"] == [ord(c) for c in "To be"]
+    assert generated["text"] == "".join(chr(i) for i in generated["new_ids"])

@@ -277,6 +277,38 @@ LINEN: dict[str, Twin] = {
 }
 
 NO_LINEN: dict[str, str] = {
+    "apply_rotary_interleaved": (
+        "Linen has no rotary embedding; compared with transformers' apply_rotary_pos_emb (and "
+        "the half layout after the permutation) in tests/test_nn_rotary.py"
+    ),
+    "rotary_embedding_llama3_partial": (
+        "Linen has no rotary embedding; frequencies and rotation compared with transformers' "
+        "ROPE_INIT_FUNCTIONS and GPT-NeoX's partial rotary in tests/test_nn_rotary.py"
+    ),
+    "attention_gqa_rope_rms": (
+        "Linen's MultiHeadDotProductAttention has no grouped-query heads, RoPE or RMS q/k "
+        "norms; compared with transformers' Qwen3Attention in tests/test_attention_modern.py"
+    ),
+    "attention_mqa_window": (
+        "Linen's MultiHeadDotProductAttention has no grouped heads or sliding window; "
+        "compared with transformers' MistralAttention in tests/test_attention_modern.py"
+    ),
+    "gated_mlp": (
+        "Linen has no gated MLP layer; compared with transformers' LlamaMLP (and GemmaMLP) "
+        "given the same weights in tests/test_nn_gated_mlp.py"
+    ),
+    "gated_mlp_gelu_tanh_bias": (
+        "Linen has no gated MLP layer; compared with transformers' GemmaMLP and LlamaMLP "
+        "(mlp_bias) given the same weights in tests/test_nn_gated_mlp.py"
+    ),
+    "rms_norm_gemma_offset": (
+        "Linen's RMSNorm has no (1 + scale) offset; compared bit for bit with transformers' "
+        "GemmaRMSNorm in tests/test_nn_norm.py"
+    ),
+    "rms_norm_llama_order_two_axes": (
+        "Linen's RMSNorm multiplies the scale before the cast; this order is transformers' "
+        "LlamaRMSNorm's, compared bit for bit in tests/test_nn_norm.py"
+    ),
     "lora_dense": (
         "lamina-only: Linen has no LoRA layer (Flax's LoRA is NNX's nnx.LoRA); the adapter's "
         "outputs and merge_lora are tested in tests/test_lora.py"

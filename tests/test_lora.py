@@ -455,8 +455,11 @@ def test_rank_bounds():
 @pytest.mark.parametrize(
     ("base", "match"),
     [
-        (lambda: lm.Embed(10, 4), r"LoRA adapts a Dense or a Conv \(groups=1\) layer, got Embed\."),
-        (lambda: lm.ConvTranspose(3, 4, (3, 3)), r"a Conv \(groups=1\) layer, got ConvTranspose\."),
+        (
+            lambda: lm.Embed(10, 4),
+            r"LoRA adapts a Dense, a Conv \(groups=1\) or an attention.s query.*, got Embed\.",
+        ),
+        (lambda: lm.ConvTranspose(3, 4, (3, 3)), r"a Conv \(groups=1\) or .*, got ConvTranspose\."),
         (lambda: lm.LoRA(lm.Dense(4, 4), rank=2), r"got LoRA\. It is already a LoRA"),
     ],
 )
@@ -576,3 +579,71 @@ def test_lora_of_an_input_dilated_conv_merges_exactly(rng):
     expected, _ = lm.transform(merged).apply(merged_variables, None, x)
     assert layout(expected) == layout(apply(variables, None, x)[0])
     assert_close(apply(variables, None, x)[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def _attention_lora(num_kv_heads=None, sharding=None):
+    mha = lm.MultiHeadAttention(
+        num_heads=4, in_size=16, num_kv_heads=num_kv_heads, kernel_sharding=sharding
+    )
+    where = lm.Any(lm.PathContains("query"), lm.PathContains("value"))
+    return mha, lm.replace(
+        mha, lambda path, m: lm.LoRA(m, 2, b_init=lm.initializers.normal(0.1)), where=where
+    )
+
+
+@pytest.mark.parametrize("num_kv_heads", [None, 2])
+def test_attention_projections(rng, num_kv_heads):
+    """LoRA on an attention's query and value: base + x @ a @ b per head; merge folds it."""
+    mha, adapted = _attention_lora(num_kv_heads)
+    variables = lm.transform(adapted).init(jax.random.key(0))
+    heads = 2 if num_kv_heads else 4
+    f32 = jnp.dtype(jnp.float32)
+    assert layout(variables)["params"]["value"] == {
+        "base": {"bias": ((heads, 4), f32), "kernel": ((16, heads, 4), f32)},
+        "lora_a": ((16, 2), f32),
+        "lora_b": ((2, heads, 4), f32),
+    }
+    x = normal(rng, 2, 5, 16)
+    y, _ = lm.transform(adapted).apply(variables, None, x, causal=True)
+    # The reference: the plain attention with kernel + a @ b in place of each kernel.
+    params = dict(variables["params"])
+    for name in ("query", "value"):
+        own = params[name]
+        update = jnp.einsum("ir,rhd->ihd", own["lora_a"], own["lora_b"])
+        params[name] = {"kernel": own["base"]["kernel"] + update, "bias": own["base"]["bias"]}
+    expected, _ = lm.transform(mha).apply({"params": params}, None, x, causal=True)
+    assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    merged, merged_variables = lm.merge_lora(adapted, variables)
+    assert (
+        isinstance(merged.query, type(mha.query))
+        and "base" not in merged_variables["params"]["query"]
+    )
+    again, _ = lm.transform(merged).apply(merged_variables, None, x, causal=True)
+    assert_close(again, y, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_projection_gradients_reach_the_adapters_only(rng):
+    _, adapted = _attention_lora()
+    adapted = lm.freeze(adapted, where=lm.Not(lm.LoRAParam))
+    variables = lm.transform(adapted).init(jax.random.key(0))
+    x = normal(rng, 2, 5, 16)
+
+    def loss(variables):
+        y, _ = lm.transform(adapted).apply(variables, None, x, causal=True)
+        return jnp.sum(y**2)
+
+    grads = jax.grad(loss)(variables)
+    assert float(jnp.abs(grads["params"]["query"]["lora_a"]).sum()) > 0
+    assert float(jnp.abs(grads["params"]["query"]["base"]["kernel"]).sum()) == 0
+
+
+def test_attention_projection_adapter_shardings():
+    _, adapted = _attention_lora(sharding=("embed", "heads", "kv"))
+    assert adapted.query.lora_a.sharding == ("embed", None)
+    assert adapted.query.lora_b.sharding == (None, "heads", "kv")
+
+
+def test_attention_output_projection_is_refused():
+    mha = lm.MultiHeadAttention(num_heads=4, in_size=16)
+    with pytest.raises(ValueError, match=r"contracts 2 axes.*query, key and value"):
+        lm.LoRA(mha.out, 2)

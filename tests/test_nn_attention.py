@@ -747,7 +747,12 @@ FUNCTION_ERRORS = [
     ((q4, ones((L, 3, 4)), q4), {}, r"query, key and value must have the same rank, at least 3"),
     ((ones((L, 4)),) * 3, {}, r"query, key and value must have the same rank, at least 3"),
     ((q4, ones((3, L, 3, 4)), q4), {}, r"query, key and value must have the same batch axes"),
-    ((q4, ones((B, L, 2, 4)), q4), {}, r"query, key and value must have the same num_heads"),
+    ((q4, ones((B, L, 2, 4)), q4), {}, r"key and value must have the same number of heads"),
+    (
+        (q4, ones((B, L, 2, 4)), ones((B, L, 2, 4))),
+        {},
+        r"the query's number of heads \(3\) must be a multiple of the key's \(2\)",
+    ),
     ((q4, ones((B, L, 3, 5)), q4), {}, r"query and key must have the same depth"),
     ((q4, q4, ones((B, 6, 3, 4))), {}, r"key and value must have the same length"),
     ((q4, q4, q4), {"dropout_rate": -0.1}, r"dropout_rate must be a number in \[0, 1\)"),
@@ -998,7 +1003,7 @@ def test_dot_product_attention_weights_equal_linen():
 def test_dot_product_attention_weights_errors():
     q = np.ones((B, SHORT, HEADS, 4), np.float32)
     with pytest.raises(
-        ValueError, match=r"^dot_product_attention_weights: query and key must have the same"
+        ValueError, match=r"^dot_product_attention_weights: the query's number of heads \(2\)"
     ):
         lm.dot_product_attention_weights(q, np.ones((B, SHORT, 3, 4), np.float32))
     with pytest.raises(TypeError, match=r"^dot_product_attention_weights: mask must be a bool"):

@@ -1113,3 +1113,154 @@ def test_axis_index_groups_average_within_each_group_as_linen():
         [sys.executable, "-c", _GROUPS_SCRIPT], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+# --- RMSNorm's Hugging Face variants: Llama's order, Gemma's (1 + scale) -----------------------
+
+
+def hf_rms_norm(kind, weight, x, eps):
+    """transformers' LlamaRMSNorm or GemmaRMSNorm with `weight`, applied to `x` (NumPy in/out)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    dtypes = {jnp.dtype(jnp.float32): torch.float32, jnp.dtype(jnp.bfloat16): torch.bfloat16}
+    module = (LlamaRMSNorm if kind == "llama" else GemmaRMSNorm)(weight.shape[-1], eps=eps)
+    with torch.no_grad():
+        module.weight.copy_(torch.from_numpy(np.array(weight.astype(jnp.float32))))
+    module = module.to(dtypes[weight.dtype])
+    xt = torch.from_numpy(np.array(x.astype(jnp.float32))).to(dtypes[x.dtype])
+    with torch.no_grad():
+        out = module(xt)
+    return out.float().numpy(), {v: k for k, v in dtypes.items()}[out.dtype]
+
+
+HF_RMS = {
+    "llama": {"scale_in_input_dtype": True},
+    "gemma": {"scale_offset": 1.0},
+}
+
+
+def hf_rms_inputs(kind, dtype, features=16):
+    rng = np.random.default_rng(3)
+    x = (3.0 * rng.standard_normal((3, 5, features)) + 0.5).astype(np.float32)
+    if kind == "llama":
+        weight = rng.uniform(0.5, 1.5, features).astype(np.float32)
+    else:  # Gemma stores the offset from 1
+        weight = rng.normal(0.0, 0.3, features).astype(np.float32)
+    return jnp.asarray(x).astype(dtype), jnp.asarray(weight).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_rms_norm_variants_match_transformers(kind, dtype):
+    """Llama's and Gemma's RMSNorms, with the weights and dtypes of a checkpoint."""
+    x, weight = hf_rms_inputs(kind, dtype)
+    layer = RMSNorm(16, epsilon=1e-5, dtype=None, param_dtype=dtype, **HF_RMS[kind])
+    init, apply = lm.transform(layer)
+    assert init(jax.random.key(0))["params"]["scale"].dtype == jnp.dtype(dtype)
+    ours, _ = apply({"params": {"scale": weight}}, None, x)
+    expected, expected_dtype = hf_rms_norm(kind, weight, x, 1e-5)
+    assert ours.dtype == expected_dtype == jnp.dtype(dtype)
+    if dtype == "bfloat16":  # the same order of operations and casts: bit for bit
+        np.testing.assert_array_equal(np.asarray(ours, np.float32), expected)
+    else:
+        assert_close(ours, expected, rtol=1e-6, atol=1e-6)
+    jitted, _ = jax.jit(apply)({"params": {"scale": weight}}, None, x)
+    np.testing.assert_array_equal(jitted, ours)
+
+
+def test_rms_norm_linens_order_differs_from_llamas_in_bfloat16():
+    """Why the option exists: Linen's order is not the checkpoint's in bfloat16."""
+    x, weight = hf_rms_inputs("llama", "bfloat16", features=64)
+    expected, _ = hf_rms_norm("llama", weight, x, 1e-5)
+    linen = RMSNorm(64, epsilon=1e-5, dtype=None, param_dtype=jnp.bfloat16)
+    ours, _ = lm.transform(linen)[1]({"params": {"scale": weight}}, None, x)
+    assert (np.asarray(ours, np.float32) != expected).any()
+
+
+def test_rms_norm_bfloat16_parity_needs_dtype_none():
+    """As RMSNorm's docs say: the default dtype=float32 is not the bfloat16 checkpoint's."""
+    x, weight = hf_rms_inputs("llama", "bfloat16", features=64)
+    expected, _ = hf_rms_norm("llama", weight, x, 1e-5)
+    outs = {}
+    for dtype in (None, jnp.bfloat16, jnp.float32):
+        layer = RMSNorm(
+            64, epsilon=1e-5, dtype=dtype, param_dtype=jnp.bfloat16, scale_in_input_dtype=True
+        )
+        outs[dtype], _ = lm.transform(layer)[1]({"params": {"scale": weight}}, None, x)
+    for dtype in (None, jnp.bfloat16):
+        np.testing.assert_array_equal(np.asarray(outs[dtype], np.float32), expected)
+    assert outs[jnp.float32].dtype == jnp.float32
+    assert (np.asarray(outs[jnp.float32]) != expected).any()
+
+
+def test_rms_norm_llama_order_with_float32_weights_and_bfloat16_inputs():
+    """Weights in float32, inputs in bfloat16: the product in float32, as PyTorch's promotion."""
+    x, weight = hf_rms_inputs("llama", "bfloat16")
+    weight = weight.astype(jnp.float32)
+    layer = RMSNorm(16, epsilon=1e-5, dtype=None, scale_in_input_dtype=True)
+    ours, _ = lm.transform(layer)[1]({"params": {"scale": weight}}, None, x)
+    expected, expected_dtype = hf_rms_norm("llama", weight, x, 1e-5)
+    assert ours.dtype == expected_dtype == jnp.float32
+    np.testing.assert_array_equal(ours, expected)
+
+
+def test_rms_norm_variants_agree_in_float32_and_gemma_starts_at_one(getkey):
+    x = jax.random.normal(getkey(), (4, 6))
+    gemma = RMSNorm(6, scale_offset=1.0)
+    variables = lm.transform(gemma)[0](getkey())
+    np.testing.assert_array_equal(variables["params"]["scale"], np.zeros(6, np.float32))
+    plain, _ = lm.transform(RMSNorm(6))[1]({"params": {"scale": jnp.ones(6)}}, None, x)
+    as_gemma, _ = lm.transform(gemma)[1](variables, None, x)
+    llama, _ = lm.transform(RMSNorm(6, scale_in_input_dtype=True))[1](
+        {"params": {"scale": jnp.ones(6)}}, None, x
+    )
+    assert_close(as_gemma, plain, rtol=1e-6, atol=1e-6)
+    assert_close(llama, plain, rtol=1e-6, atol=1e-6)
+    # another offset: the scale starts at 1 - offset, the effective scale at 1
+    half = RMSNorm(6, scale_offset=0.5)
+    np.testing.assert_array_equal(
+        lm.transform(half)[0](getkey())["params"]["scale"], np.full(6, 0.5)
+    )
+    # a given scale_init is kept
+    custom = RMSNorm(6, scale_offset=1.0, scale_init=lm.initializers.ones())
+    np.testing.assert_array_equal(lm.transform(custom)[0](getkey())["params"]["scale"], np.ones(6))
+    assert_close(lm.transform(custom)[1]({"params": {"scale": jnp.ones(6)}}, None, x)[0], 2 * plain)
+
+
+def test_rms_norm_variants_with_mask_and_two_feature_axes(getkey):
+    x = jax.random.normal(getkey(), (2, 3, 4))
+    scale = jax.random.normal(getkey(), (3, 4))
+    mask = jnp.array([True, True, False, True])
+    options = {"reduction_axes": (-2, -1), "feature_axes": (-2, -1)}
+    gemma = RMSNorm((3, 4), scale_offset=1.0, **options)
+    out, _ = lm.transform(gemma)[1]({"params": {"scale": scale}}, None, x, mask=mask)
+    ms = jnp.mean(jnp.where(mask[None, None], x * x, 0.0), axis=(-2, -1), keepdims=True) * 4 / 3
+    expected = x * jax.lax.rsqrt(ms + 1e-6) * (1 + scale)[None]
+    assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"scale_offset": "1"}, TypeError, r"RMSNorm: scale_offset must be a finite number"),
+        ({"scale_offset": float("nan")}, ValueError, r"RMSNorm: scale_offset must be a finite"),
+        ({"scale_in_input_dtype": 1}, TypeError, r"RMSNorm: scale_in_input_dtype must be True"),
+        (
+            {"scale_offset": 1.0, "use_scale": False},
+            ValueError,
+            r"scale_offset=1.0 is added to the scale, but use_scale is False",
+        ),
+    ],
+)
+def test_rms_norm_variant_setting_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        RMSNorm(6, **kwargs)
+
+
+def test_rms_norm_variant_settings_are_read_only():
+    layer = RMSNorm(6, scale_offset=1.0)
+    with pytest.raises(AttributeError, match="scale_offset"):
+        layer.scale_offset = 0.0

@@ -460,3 +460,38 @@ def test_a_stacked_block_mapped_over_its_copies_reads_one_copy(jit):
     y, _ = maybe_jit(apply, jit)(variables, None, x)
     g = variables["params"]["s"]["block"]["g"]
     assert_close(y, x[None] * g[:, None, :])
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_stack_of_decoding_attention_blocks_writes_its_stacked_cache(jit):
+    """Each copy's cache gets the leading axis; decoding in steps gives the full pass, and
+    layer i's cached keys are what its block alone writes from layer i - 1's outputs."""
+    block = lm.MultiHeadAttention(
+        4, 8, num_kv_heads=2, rope=lm.RotaryEmbedding(2), sliding_window=3, decode_shape=(2, 6)
+    )
+    stack = lm.Stack(block, 3)
+    init, apply = lm.transform(stack)
+    apply = jax.jit(apply, static_argnames=("causal", "decode")) if jit else apply
+    variables = init(jax.random.key(0))
+    cache = variables["cache"]["block"]
+    assert cache["cached_key"].shape == cache["cached_value"].shape == (3, 2, 6, 2, 2)
+    assert cache["cache_index"].shape == (3,)
+    x = jax.random.normal(jax.random.key(1), (2, 6, 8))
+    full, _ = apply(variables, None, x, causal=True)
+    y, state = apply(variables, None, x[:, :4], decode=True)  # prefill 4, then 2 steps
+    outs = [y]
+    for t in (4, 5):
+        y, state = apply(state, None, x[:, t : t + 1], decode=True)
+        outs.append(y)
+    assert_close(jnp.concatenate(outs, axis=1), full, atol=1e-5)
+    written = state["cache"]["block"]
+    np.testing.assert_array_equal(written["cache_index"], [6, 6, 6])
+    # By hand: each copy alone on its slice, decoding the whole sequence in one step.
+    _, apply_block = lm.transform(stack.block)
+    sliced = lm.take_variables(stack, variables, stack.block)
+    h = x
+    for i in range(3):
+        copy_i = jax.tree.map(lambda a, i=i: a[i], sliced)
+        h, alone = apply_block(copy_i, None, h, decode=True)
+        assert_close(alone["cache"]["cached_key"], written["cached_key"][i], atol=1e-5)
+    assert_close(h, full, atol=1e-5)

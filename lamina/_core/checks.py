@@ -107,9 +107,16 @@ def flag(where: str, name: str, value: Any, *, static: bool = False) -> bool:
         return value
     if not isinstance(value, (bool, np.bool_)):
         raise SettingTypeError(
-            f"{where}: {name} must be True or False, got {type(value).__name__} {value!r}."
+            f"{where}: {name} must be True or False, got {type(value).__name__} "
+            f"{_short_repr(value)}."
         )
     return bool(value)
+
+
+def _short_repr(value: Any, limit: int = 100) -> str:
+    """`repr(value)` on one line, cut to about `limit` characters (a dict can be huge)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def flags(where: str, /, **values: Any) -> None:

@@ -36,6 +36,7 @@ from ._format import (
     read_entries,
 )
 from ._tree import PathLike, as_path, flatten, key_part
+from .tensors import read_array
 
 __all__ = ["load"]
 
@@ -138,7 +139,7 @@ def load(
         else:
             placement = _placements(shardings, keys, tensors)
         arrays = {
-            key: _read_array(file, start + info.begin, info, placement.get(key))
+            key: read_array(file, start + info.begin, info, placement.get(key))
             for key, info in zip(keys, tensors, strict=True)
         }
     if plan is not None:
@@ -426,26 +427,6 @@ def _placements(
                 f"{info.shape}: {error}"
             ) from error
     return given
-
-
-def _read_block(source: np.ndarray, index: Any) -> np.ndarray:
-    """Copies ``source[index]`` out of the memory-mapped file (only those bytes are read)."""
-    block = np.array(source[index])
-    return block.astype(block.dtype.newbyteorder("="), copy=False)
-
-
-def _read_array(
-    file: IO[bytes], offset: int, info: TensorInfo, sharding: jax.sharding.Sharding | None
-) -> jax.Array:
-    if info.begin == info.end:
-        source = np.zeros(info.shape, info.dtype)  # no bytes to map
-    else:
-        source = np.memmap(file, dtype=info.dtype, mode="r", offset=offset, shape=info.shape)
-    if sharding is None:
-        return jax.device_put(_read_block(source, ()))
-    return jax.make_array_from_callback(
-        info.shape, sharding, lambda index: _read_block(source, index)
-    )
 
 
 _CHECKSUM = re.compile(r"[0-9a-f]{8}")

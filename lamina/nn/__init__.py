@@ -18,6 +18,7 @@ from .conv_local import ConvLocal as ConvLocal
 from .conv_lstm import ConvLSTMCell as ConvLSTMCell
 from .dense_general import DenseGeneral as DenseGeneral
 from .einsum import Einsum as Einsum
+from .gated_mlp import GatedMLP as GatedMLP
 from .group_normalization import GroupNorm as GroupNorm
 from .group_normalization import InstanceNorm as InstanceNorm
 from .gru_cells import GRUCell as GRUCell
@@ -39,6 +40,9 @@ from .pool import pool as pool
 from .recurrent import RNN as RNN
 from .regularization import Dropout as Dropout
 from .regularization import dropout as dropout
+from .rotary import RotaryEmbedding as RotaryEmbedding
+from .rotary import apply_rotary as apply_rotary
+from .rotary import rope_frequencies as rope_frequencies
 from .simple_cell import SimpleCell as SimpleCell
 from .stack import Stack as Stack
 from .weight_normalization import SpectralNorm as SpectralNorm

@@ -21,6 +21,7 @@ from .._core.module import Module
 from .._core.types import Dtype, Initializer, PrecisionLike
 from .._core.variables import Parameter
 from ..sharding.explicit import result_sharding
+from . import _dtypes
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "n_batch", "dtype", "precision"))
@@ -146,6 +147,10 @@ def declare(
 class Projection(Module):
     """The variables of one Linen ``DenseGeneral`` of the attention: ``kernel`` and ``bias``."""
 
+    # lm.with_policy: MultiHeadAttention reads these variables in its own computation (it
+    # calls a Projection only as the base of a LoRA put in its place).
+    _lamina_read_by_parent = True
+
     def __init__(
         self,
         kernel_shape: tuple[int, ...],
@@ -160,6 +165,7 @@ class Projection(Module):
         bias_sharding: tuple[str | None, ...] | None = None,
     ):
         super().__init__()
+        self.n_in = n_in
         self.kernel, self.bias = declare(
             kernel_shape,
             bias_shape,
@@ -176,6 +182,29 @@ class Projection(Module):
     def arrays(self) -> tuple[jax.Array, jax.Array | None]:
         """The kernel and bias values (inside a call)."""
         return self.kernel.value, None if self.bias is None else self.bias.value
+
+    def _describe(self) -> str:
+        return f"Projection(kernel {tuple(self.kernel.shape)})"
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        """The contracted (last) axes of the input: the kernel's first `n_in` axes."""
+        return tuple(self.kernel.shape[: self.n_in])
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The axes the projection adds: the kernel's last axes (``(heads, head_dim)``)."""
+        return tuple(self.kernel.shape[self.n_in :])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """The projection alone (as a LoRA base calls it): `dense_general` of `x`.
+
+        Computes in the promotion of `x` and the variables. The attention itself reads the
+        kernel and bias and projects the queries, keys and values in one compiled call.
+        """
+        kernel, bias = self.arrays()
+        dtype = _dtypes.compute_dtype(self, None, x, kernel, bias)
+        return dense_general(x, kernel, bias, self.n_in, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("dtypes", "precision"))

@@ -48,7 +48,13 @@ def _weights(
     query, key = jnp.asarray(query, dtype), jnp.asarray(key, dtype)
     depth = query.shape[-1]
     query = query / jnp.sqrt(jnp.asarray(depth, jnp.float32)).astype(dtype)
-    weights = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
+    heads, kv_heads = query.shape[-2], key.shape[-2]
+    if heads == kv_heads:
+        weights = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
+    else:  # grouped: query head h attends with key head h // (heads // kv_heads), no copy
+        grouped = query.reshape(*query.shape[:-2], kv_heads, heads // kv_heads, depth)
+        weights = jnp.einsum("...qhgd,...khd->...hgqk", grouped, key, precision=precision)
+        weights = weights.reshape(*weights.shape[:-4], heads, *weights.shape[-2:])
     if bias is not None:
         weights = weights + jnp.broadcast_to(jnp.asarray(bias, dtype), weights.shape)
     if mask is not None:
@@ -142,7 +148,14 @@ def attention_kernel(
     # With force_fp32_for_softmax the weights stay float32 and so does the product (Linen's
     # promotion); MultiHeadAttention's output projection casts back to its compute dtype.
     value = jnp.asarray(value, dtype).astype(dropped.dtype)
-    out = jnp.einsum("...hqk,...khd->...qhd", dropped, value, precision=precision)
+    heads, kv_heads = query.shape[-2], value.shape[-2]
+    if heads == kv_heads:
+        out = jnp.einsum("...hqk,...khd->...qhd", dropped, value, precision=precision)
+    else:  # grouped: the weights of kv_heads groups of heads // kv_heads heads each
+        *batch, _, q_len, kv_len = dropped.shape
+        grouped = dropped.reshape(*batch, kv_heads, heads // kv_heads, q_len, kv_len)
+        out = jnp.einsum("...hgqk,...khd->...qhgd", grouped, value, precision=precision)
+        out = out.reshape(*out.shape[:-3], heads, out.shape[-1])
     return out, weights if with_weights else None
 
 
@@ -193,8 +206,12 @@ def dot_product_attention(
 
     Args:
         query: ``(batch..., q_length, num_heads, depth)``.
-        key: ``(batch..., kv_length, num_heads, depth)``.
-        value: ``(batch..., kv_length, num_heads, v_depth)``.
+        key: ``(batch..., kv_length, num_kv_heads, depth)``: ``num_kv_heads`` is
+            ``num_heads`` (multi-head attention) or divides it (grouped-query attention;
+            multi-query with 1): query head ``h`` attends with key and value head ``h //
+            (num_heads // num_kv_heads)``, as Hugging Face's ``repeat_kv``, without copying
+            the keys and values.
+        value: ``(batch..., kv_length, num_kv_heads, v_depth)``.
         mask: A boolean array broadcastable to ``(batch..., num_heads, q_length,
             kv_length)``; attention is kept where it is True (`make_attention_mask`,
             `make_causal_mask`). Only bool masks are accepted: a 0/1 mask of numbers is
@@ -266,7 +283,8 @@ def dot_product_attention_weights(
 
     Args:
         query: ``(batch..., q_length, num_heads, depth)``.
-        key: ``(batch..., kv_length, num_heads, depth)``.
+        key: ``(batch..., kv_length, num_kv_heads, depth)``, `num_kv_heads` dividing
+            `num_heads` (grouped-query attention, as `dot_product_attention`'s).
         mask: As `dot_product_attention`'s: bool, True keeps a query-key pair.
         bias: Added to the logits, as `dot_product_attention`'s.
         is_training: Apply dropout to the weights (a Python bool).
@@ -492,8 +510,14 @@ def _check_heads(
         )
     if not q[:-3] == k[:-3] == v[:-3]:
         raise ValueError(f"{where}: {names} must have the same batch axes; {shapes}.")
-    if not q[-2] == k[-2] == v[-2]:
-        raise ValueError(f"{where}: {names} must have the same num_heads; {shapes}.")
+    if k[-2] != v[-2]:
+        raise ValueError(f"{where}: key and value must have the same number of heads; {shapes}.")
+    if q[-2] % k[-2]:
+        raise ValueError(
+            f"{where}: the query's number of heads ({q[-2]}) must be a multiple of the key's "
+            f"({k[-2]}): equal for multi-head attention, a divisor for grouped-query "
+            f"attention; {shapes}."
+        )
     if q[-1] != k[-1]:
         raise ValueError(f"{where}: query and key must have the same depth (last axis); {shapes}.")
     if k[-3] != v[-3]:

@@ -2,7 +2,9 @@
 
 lamina's attention functions and Linen-style ones name different keyword arguments;
 `accepted_arguments` reads a function's signature to choose the ones it takes,
-`call_attention_fn` calls it with them (and refuses a call whose options it would drop), and
+`call_attention_fn` calls it with them (and refuses a call whose options it would drop; with
+fewer key and value heads than query heads, a function other than lamina's
+`dot_product_attention` gets the keys and values repeated to ``num_heads``), and
 `Sower` is the ``module`` a Linen-style function records its weights with.
 """
 
@@ -13,9 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .._core.rng import next_rng_key
 from ..records.sow import sow
+from .attention import dot_product_attention
 
 # The keyword arguments MultiHeadAttention offers its attention_fn: lamina's names and Linen's.
 _OFFERED = frozenset(
@@ -122,4 +126,10 @@ def call_attention_fn(
                 f"lm.dot_product_attention has), or leave the option out."
             )
     kwargs = {k: v for k, v in offered.items() if k in accepted}
+    if key.shape[-2] != query.shape[-2] and layer.attention_fn is not dot_product_attention:
+        # Grouped-query heads: lamina's function groups the queries (no copy); another one
+        # (Linen's, the user's) gets the keys and values repeated to num_heads, as HF's
+        # repeat_kv (key head k serves query heads k * groups ... (k + 1) * groups - 1).
+        groups = query.shape[-2] // key.shape[-2]
+        key, value = (jnp.repeat(x, groups, axis=-2) for x in (key, value))
     return layer.attention_fn(query, key, value, **kwargs)

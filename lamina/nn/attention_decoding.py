@@ -2,14 +2,17 @@
 
 `cache_and_mask` writes a step's keys and values at ``cache_index`` and builds the mask of
 the positions each query may attend to; `check_at_run_time` refuses, when the program runs, a
-traced step that would go past ``max_length``; `dtype_kind` orders the kinds of dtypes that a
-cache may hold.
+traced step that would go past ``max_length`` (`indices_known_to_fit` lets a caller that sized
+the cache itself leave that check out); `dtype_kind` orders the kinds of dtypes that a cache
+may hold.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -22,29 +25,34 @@ from .._core.types import Dtype
 from . import _checks, _dtypes
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "q_len", "causal"))
+@functools.partial(jax.jit, static_argnames=("q_len", "causal", "window"))
 def cache_and_mask(
     key: jax.Array,
     value: jax.Array,
     mask: jax.Array | None,
     cache: tuple[jax.Array, jax.Array, jax.Array] | None,
-    num_heads: int,
     q_len: int,
     causal: bool,
+    window: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, tuple | None, jax.Array | None]:
     """Writes this step's keys and values to the cache (`cache`), and builds the mask.
 
-    Returns the keys and values to attend to, the mask (`mask` and the causal or cached
-    positions' mask), the new cache and whether the step fitted in it (None without a cache).
+    Returns the keys and values to attend to, the mask, the new cache and whether the step
+    fitted in it (None without a cache). The mask is `mask` AND the causal (or cached
+    positions') mask AND the sliding `window` (a query at slot ``q`` sees the keys at slots
+    ``k > q - window``; slots count from the first position of the sequences, or of the
+    cache), ``(*batch, heads, q_length, kv_length)`` where ``heads`` is `mask`'s heads axis
+    or 1: the attention broadcasts it over the heads.
     """
     batch = key.shape[:-3]
     if mask is not None:
         mask = jnp.asarray(mask).astype(bool)
     if cache is None:
-        if causal:
-            kv_len = key.shape[-3]
-            allowed = jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None]
-            mask = _and_masks(mask, allowed, (*batch, num_heads, q_len, kv_len))
+        kv_len = key.shape[-3]
+        q_slots, kv_slots = jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :]
+        allowed = _allowed(q_slots, kv_slots, causal, window)
+        if allowed is not None:
+            mask = _and_masks(mask, allowed, batch)
         return key, value, mask, None, None
     cached_key, cached_value, index = cache
     max_length = cached_key.shape[-3]
@@ -59,21 +67,66 @@ def cache_and_mask(
     value = jnp.where(fits, value, lax.dynamic_slice(cached_value, starts, value.shape))
     key = lax.dynamic_update_slice(cached_key, key, starts)
     value = lax.dynamic_update_slice(cached_value, value, starts)
-    positions = index + jnp.arange(q_len, dtype=index.dtype)
-    allowed = jnp.arange(max_length, dtype=index.dtype)[None, :] <= positions[:, None]
-    mask = _and_masks(mask, allowed, (*batch, num_heads, q_len, max_length))
+    q_slots = (index + jnp.arange(q_len, dtype=index.dtype))[:, None]
+    kv_slots = jnp.arange(max_length, dtype=index.dtype)[None, :]
+    allowed = _allowed(q_slots, kv_slots, True, window)
+    assert allowed is not None  # causal
+    mask = _and_masks(mask, allowed, batch)
     return key, value, mask, (key, value, index + q_len), fits
 
 
-def _and_masks(mask: jax.Array | None, allowed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def _allowed(
+    q_slots: jax.Array, kv_slots: jax.Array, causal: bool, window: int | None
+) -> jax.Array | None:
+    """The ``(q_length, kv_length)`` pairs the causal mask and the window keep (None: all)."""
+    allowed = kv_slots <= q_slots if causal else None
+    if window is not None:
+        inside = kv_slots > q_slots - window
+        allowed = inside if allowed is None else allowed & inside
+    return allowed
+
+
+def _and_masks(mask: jax.Array | None, allowed: jax.Array, batch: tuple[int, ...]) -> jax.Array:
+    """``mask & allowed``, ``(*batch, heads, q_length, kv_length)``; heads is `mask`'s or 1."""
+    rank = len(batch) + 3
+    heads = 1 if mask is None or mask.ndim < 3 else mask.shape[-3]
+    shape = (*batch, heads, *allowed.shape)
     allowed = jnp.broadcast_to(allowed, shape)
-    return allowed if mask is None else jnp.logical_and(jnp.broadcast_to(mask, shape), allowed)
+    if mask is None:
+        return allowed
+    mask = jnp.reshape(mask, (1,) * (rank - mask.ndim) + mask.shape)
+    return jnp.logical_and(jnp.broadcast_to(mask, shape), allowed)
 
 
 def dtype_kind(dtype: Dtype) -> int:
     """0 bool, 1 integer, 2 float, 3 complex: a cast to a lower kind loses a part."""
     kinds = (jnp.complexfloating, jnp.floating, jnp.integer)
     return next((3 - i for i, kind in enumerate(kinds) if jnp.issubdtype(dtype, kind)), 0)
+
+
+# True while a caller traces decoding steps whose cache indices it knows to fit.
+_KNOWN_TO_FIT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "lamina_indices_known_to_fit", default=False
+)
+
+
+@contextlib.contextmanager
+def indices_known_to_fit() -> Iterator[None]:
+    """Decoding steps traced inside leave out the run-time overflow check of a traced index.
+
+    For a caller that made the cache and counts the steps itself, so that no step can pass
+    ``max_length`` (`lm.generate`: a cache of prompt length + ``max_new_tokens``, and a loop
+    of that many steps). Each layer's `check_at_run_time` is a `lax.cond` per layer and
+    step; inside a decoding loop it is measurable. A concrete index is still checked, and
+    a step that does not fit still leaves the cache unchanged and gives NaN (`cache_and_mask`'s
+    ``fits``): only the error from the host goes. It acts while tracing, so enter it inside
+    the function that `jax.jit` traces.
+    """
+    token = _KNOWN_TO_FIT.set(True)
+    try:
+        yield
+    finally:
+        _KNOWN_TO_FIT.reset(token)
 
 
 def check_at_run_time(
@@ -192,6 +245,6 @@ def check_decoding_step(
     if not isinstance(index, jax.core.Tracer):
         if not 0 <= int(index) <= max_length - q_len:
             raise ValueError(overflow(int(index)))
-    else:
+    elif not _KNOWN_TO_FIT.get():
         check_at_run_time(index, q_len, max_length, overflow)
     return index

@@ -6,6 +6,7 @@ dtypes and the kernel are those of every normalisation layer (`normalization`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -139,7 +140,8 @@ class RMSNorm(_OverAxes):
             the axes have in the input.
         epsilon: Added to the mean square before the square root.
         use_scale: Whether to multiply by a learned ``scale``.
-        scale_init: Initializer of the scale.
+        scale_init: Initializer of the scale (default: ones, or zeros with
+            ``scale_offset=1.0``: the effective scale starts at 1).
         reduction_axes: The axes the mean square is taken over (an int or a tuple).
         feature_axes: The axes with a learned scale each (an int or a tuple).
         use_fast_variance: Accepted for Linen's signature; the mean square has no second pass.
@@ -152,8 +154,21 @@ class RMSNorm(_OverAxes):
             `dtype` is None), which are also applied in it, as Linen does.
         scale_sharding: Logical axis names of the scale, one per feature axis (e.g.
             ``("embed",)``), for `lm.shardings`; None: replicated.
+        scale_offset: Added to the stored scale: the layer multiplies by ``scale_offset +
+            scale`` (Gemma's ``(1 + w)`` is ``scale_offset=1.0``, with the scale initialised
+            to zeros by default), in the statistics' dtype, after normalising, and then casts
+            to `dtype` (Gemma's order).
+        scale_in_input_dtype: Cast the normalised input back to the input's dtype before
+            multiplying by the scale, the product in the promotion of the input's and the
+            scale's dtypes (Llama's, Mistral's and Qwen's order, as ``transformers``
+            computes it). In float32 every order gives the same values up to rounding; in
+            bfloat16 only the checkpoint's own order matches it bit for bit, and only with
+            ``dtype=None`` (or the checkpoint's dtype, e.g. ``jnp.bfloat16``): the default
+            ``dtype=float32`` casts the input to float32 first, so the cast back is to
+            float32 and the result is not the bfloat16 checkpoint's.
 
-    Everything after `size` is keyword-only.
+    Everything after `size` is keyword-only. Default options compute exactly Linen's
+    ``RMSNorm`` (the scale folded into ``rsqrt(mean square + epsilon)`` first).
 
     Example:
         >>> import jax, jax.numpy as jnp, lamina as lm
@@ -161,7 +176,15 @@ class RMSNorm(_OverAxes):
         >>> y, _ = apply(init(jax.random.key(0)), None, jnp.array([[3.0, 4.0]]))
         >>> (y**2).mean().round(3)  # unit mean square
         Array(1., dtype=float32)
+        >>> gemma = lm.RMSNorm(2, scale_offset=1.0)  # Gemma's: multiplies by (1 + scale)
+        >>> init, apply = lm.transform(gemma)
+        >>> init(jax.random.key(0))["params"]["scale"]
+        Array([0., 0.], dtype=float32)
+        >>> llama = lm.RMSNorm(2, epsilon=1e-5, scale_in_input_dtype=True, dtype=None)
     """
+
+    scale_offset = _checks.Setting()
+    scale_in_input_dtype = _checks.Setting()
 
     def __init__(
         self,
@@ -169,7 +192,7 @@ class RMSNorm(_OverAxes):
         *,
         epsilon: float = 1e-6,
         use_scale: bool = True,
-        scale_init: Initializer = initializers.ones(),
+        scale_init: Initializer | None = None,
         reduction_axes: int | Sequence[int] = -1,
         feature_axes: int | Sequence[int] = -1,
         use_fast_variance: bool = True,
@@ -178,7 +201,33 @@ class RMSNorm(_OverAxes):
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = None,
         scale_sharding: Sequence[str | None] | None = None,
+        scale_offset: float = 0.0,
+        scale_in_input_dtype: bool = False,
     ):
+        where = type(self).__name__
+        if not (_checks.is_real(scale_offset) and math.isfinite(scale_offset)):
+            error = ValueError if _checks.is_real(scale_offset) else _checks.SettingTypeError
+            raise error(
+                f"{where}: scale_offset must be a finite number (1.0 for Gemma's (1 + scale), "
+                f"0.0 otherwise), got {scale_offset!r}."
+            )
+        self.scale_offset = float(scale_offset)
+        self.scale_in_input_dtype = _checks.flag(
+            where, "scale_in_input_dtype", scale_in_input_dtype
+        )
+        if self.scale_offset and not _checks.flag(where, "use_scale", use_scale):
+            raise ValueError(
+                f"{where}: scale_offset={scale_offset!r} is added to the scale, but use_scale "
+                f"is False: there is no scale. Pass use_scale=True, or scale_offset=0.0."
+            )
+        if scale_init is None:  # the effective scale starts at 1
+            scale_init = (
+                initializers.ones()
+                if self.scale_offset == 0.0
+                else initializers.zeros()
+                if self.scale_offset == 1.0
+                else initializers.constant(1.0 - self.scale_offset)
+            )
         super().__init__(
             size,
             epsilon=epsilon,
@@ -197,4 +246,10 @@ class RMSNorm(_OverAxes):
 
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
         """Normalises `x` over the reduction axes (mean square over `mask`'s True entries)."""
-        return self._normalize(x, mask, use_mean=False)
+        return self._normalize(
+            x,
+            mask,
+            use_mean=False,
+            scale_offset=self.scale_offset,
+            scale_in_input_dtype=self.scale_in_input_dtype,
+        )

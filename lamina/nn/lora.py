@@ -1,7 +1,8 @@
-"""Low-rank adaptation (LoRA): `LoRA` wraps a `Dense` or `Conv`; `merge_lora` folds it back in.
+"""Low-rank adaptation (LoRA): `LoRA` wraps a `Dense`, a `Conv` or an attention projection.
 
 ``LoRA(base, rank)`` computes ``base(x) + scale * (x @ lora_a @ lora_b)``: the base layer's
-weights stay as they are and two small `LoRAParam` matrices learn a low-rank update. Train the
+weights stay as they are and two small `LoRAParam` matrices learn a low-rank update; `merge_lora`
+folds it back in. Train the
 adapters alone by filtering on their type (``lm.grad(loss, model, lm.DiffState(0,
 lm.LoRAParam))``, ``lm.split(model, variables, lm.LoRAParam, ...)``); for inference,
 `merge_lora` folds ``scale * lora_a @ lora_b`` into the base kernels and returns a plain model.
@@ -28,6 +29,7 @@ from .._core.module import Module
 from .._core.types import Dtype, Initializer, Path, PrecisionLike, Variables
 from .._core.variables import Parameter
 from . import _checks, _dtypes
+from ._projections import Projection, dense_general
 from .conv import Conv, conv
 from .linear import Dense, dense
 
@@ -65,6 +67,24 @@ def lora_dense(
     """
     hidden = dense(x, lora_a, None, dtype, precision)
     update = scale * dense(hidden, lora_b, None, dtype, precision)
+    return y + update.astype(y.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "dtype"))
+def lora_heads(
+    y: jax.Array,
+    x: jax.Array,
+    lora_a: jax.Array,
+    lora_b: jax.Array,
+    scale: float,
+    dtype: Dtype,
+) -> jax.Array:
+    """``y + scale * (x @ lora_a) @ lora_b`` for an attention projection's ``(in, heads, D)``.
+
+    `lora_b` is ``(rank, heads, head_dim)``: the update has the heads' shape of `y`.
+    """
+    hidden = dense(x, lora_a, None, dtype)
+    update = scale * dense_general(hidden, lora_b, None, 1, dtype)
     return y + update.astype(y.dtype)
 
 
@@ -131,6 +151,11 @@ def merge_kernel(
 class LoRA(Module):
     """Low-rank adaptation of a `Dense` or `Conv` layer: ``base(x) + scale * x @ lora_a @ lora_b``.
 
+    It also adapts the ``query``, ``key`` and ``value`` projections of a
+    `MultiHeadAttention` (``mha.query = lm.LoRA(mha.query, 8)``, or by filter with
+    `lm.replace`): their kernels are ``(in, heads, head_dim)``, so ``lora_b`` is ``(rank,
+    heads, head_dim)``, and `merge_lora` folds the update back into the kernel.
+
     The base layer's variables keep their names under ``base`` (``params/.../base/kernel``);
     the adapters are two `LoRAParam`s, ``lora_a`` and ``lora_b``, and ``scale = alpha / rank``.
     With the default ``b_init=zeros()`` the adapter starts as a no-op: the outputs equal the base
@@ -154,7 +179,8 @@ class LoRA(Module):
     larger rank would only add parameters: ``lora_a @ lora_b`` could not have a higher rank.
 
     Args:
-        base: The layer to adapt: a `Dense`, or a `Conv` with ``groups=1`` and no mask. It is
+        base: The layer to adapt: a `Dense`, a `Conv` with ``groups=1`` and no mask, or an
+            attention's query, key or value projection. It is
             held, not copied (``model.layer = lm.LoRA(model.layer, 8)`` adapts a layer in place).
         rank: The rank of the update: an int from 1 to ``min(in_size, out_size)`` (a `Dense`)
             or ``min(prod(kernel_size) * in_size, out_size)`` (a `Conv`).
@@ -207,7 +233,7 @@ class LoRA(Module):
 
     def __init__(
         self,
-        base: Dense | Conv,
+        base: Dense | Conv | Projection,
         rank: int,
         *,
         alpha: float | None = None,
@@ -226,9 +252,10 @@ class LoRA(Module):
         self.scale = self.alpha / rank
         # Left out (None), the adapter takes the base's settings: its `dtype` (so None, which
         # infers the compute dtype per call, when the base infers it) and its storage dtype.
-        self.dtype = base.dtype if dtype is None else _dtypes.layer_dtype(where, dtype)
+        base_dtype = getattr(base, "dtype", None)  # an attention projection infers it
+        self.dtype = base_dtype if dtype is None else _dtypes.layer_dtype(where, dtype)
         self.param_dtype = (
-            base.param_dtype
+            getattr(base, "param_dtype", base.kernel.param_dtype)
             if param_dtype is None
             else _dtypes.storage_dtype(where, param_dtype, self.dtype)
         )
@@ -238,16 +265,18 @@ class LoRA(Module):
         """Declares ``lora_a`` and ``lora_b``, sharded as the base's kernel's in and out axes."""
         base, rank = self.base, self.rank
         window = base.kernel_size if isinstance(base, Conv) else ()
+        in_size, out_shape = _in_out(base)
         a_init = _checks.initializer(where, "a_init", a_init)
         b_init = _checks.initializer(where, "b_init", b_init)
-        names = base.kernel.sharding  # (*window, in, out) or None
-        a_names = None if names is None else (*names[:-1], None)
-        b_names = None if names is None else (None, names[-1])
+        names = base.kernel.sharding  # (*window, in, *out) or None
+        n_in = len(window) + 1
+        a_names = None if names is None else (*names[:n_in], None)
+        b_names = None if names is None else (None, *names[n_in:])
         self.lora_a = LoRAParam(
-            (*window, base.in_size, rank), a_init, self.dtype, self.param_dtype, sharding=a_names
+            (*window, in_size, rank), a_init, self.dtype, self.param_dtype, sharding=a_names
         )
         self.lora_b = LoRAParam(
-            (rank, base.out_size), b_init, self.dtype, self.param_dtype, sharding=b_names
+            (rank, *out_shape), b_init, self.dtype, self.param_dtype, sharding=b_names
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -270,6 +299,8 @@ class LoRA(Module):
                 base.input_dilation,
                 base.precision,
             )
+        if isinstance(base, Projection):
+            return lora_heads(y, x, lora_a, lora_b, self.scale, dtype)
         return lora_dense(y, x, lora_a, lora_b, self.scale, dtype, base.precision)
 
 
@@ -428,14 +459,21 @@ def _replace_loras(root: Module, loras: list[tuple[Path, LoRA]]) -> Module:
 
 def _check_base(cls: str, base: Any, rank: Any) -> str:
     """Checks that `base` is a layer LoRA adapts; returns how messages name the adapter."""
-    if not isinstance(base, (Dense, Conv)):
+    if not isinstance(base, (Dense, Conv, Projection)):
         hint = ""
         if isinstance(base, LoRA):
             hint = " It is already a LoRA; give the rank you want to one LoRA instead."
         raise TypeError(
-            f"LoRA adapts a Dense or a Conv (groups=1) layer, got {type(base).__name__}.{hint}"
+            f"LoRA adapts a Dense, a Conv (groups=1) or an attention's query, key or value "
+            f"projection, got {type(base).__name__}.{hint}"
         )
     where = f"{cls}({base._describe()}, rank={rank!r})"
+    if isinstance(base, Projection) and base.n_in != 1:
+        raise ValueError(
+            f"{where}: this attention projection contracts {base.n_in} axes (the output "
+            f"projection's (heads, head_dim)); LoRA adapts the query, key and value "
+            f"projections, which contract the features alone. Adapt those."
+        )
     if isinstance(base, Conv) and base.groups != 1:
         raise ValueError(
             f"{where}: the base Conv has groups={base.groups}; LoRA supports groups=1 only "
@@ -450,16 +488,25 @@ def _check_base(cls: str, base: Any, rank: Any) -> str:
     return where
 
 
-def _checked_rank(where: str, base: Dense | Conv, rank: Any) -> int:
+def _in_out(base: Dense | Conv | Projection) -> tuple[int, tuple[int, ...]]:
+    """The base's input features and output shape (``(out,)``, or ``(heads, head_dim)``)."""
+    if isinstance(base, Projection):
+        return base.in_shape[0], base.out_shape
+    return base.in_size, (base.out_size,)
+
+
+def _checked_rank(where: str, base: Dense | Conv | Projection, rank: Any) -> int:
     """`rank`, a positive int no larger than the largest rank of the base's weight."""
     rank = _checks.positive_int(where, "rank", rank)
+    in_size, out_shape = _in_out(base)
+    out_size = math.prod(out_shape)
     if isinstance(base, Conv):
-        fan_in = math.prod(base.kernel_size) * base.in_size
-        bound = f"min(prod(kernel_size) * in_size, out_size) = min({fan_in}, {base.out_size})"
+        fan_in = math.prod(base.kernel_size) * in_size
+        bound = f"min(prod(kernel_size) * in_size, out_size) = min({fan_in}, {out_size})"
     else:
-        fan_in = base.in_size
-        bound = f"min(in_size, out_size) = min({fan_in}, {base.out_size})"
-    max_rank = min(fan_in, base.out_size)
+        fan_in = in_size
+        bound = f"min(in_size, out_size) = min({fan_in}, {out_size})"
+    max_rank = min(fan_in, out_size)
     if rank > max_rank:
         raise ValueError(
             f"{where}: rank must be at most {bound} = {max_rank}, the largest rank the "

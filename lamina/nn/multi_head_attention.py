@@ -3,15 +3,17 @@
 The variables and numerics are Linen's, so Linen's variables, its ``"cache"`` collection
 included, load directly. The attention itself is the layer's ``attention_fn``, by default
 `dot_product_attention`: the layer projects the inputs to heads (one compiled call),
-normalises the queries and keys (``normalize_qk``), updates the cache and builds the mask
-(one call), attends, and projects the heads back (one call); under `jax.jit` the steps
-compile into one program.
+normalises the queries and keys (``qk_norm``), rotates them (``rope``), updates the cache
+and builds the mask (one call), attends, and projects the heads back (one call); under
+`jax.jit` the steps compile into one program. The options of Llama-family models
+(grouped-query heads, RoPE, RMS q/k norms, sliding windows, `jax.nn.dot_product_attention`)
+are keyword-only and off by default.
 
 Incremental decoding. lamina declares every shape up front, so the decoding cache is sized
 when the layer is built: ``MultiHeadAttention(..., decode_shape=(batch, max_length))``
 declares three `Cache` variables (collection ``"cache"``, Linen's names and layout):
 
-- ``cached_key`` and ``cached_value``: ``(*batch, max_length, num_heads, head_dim)``, in the
+- ``cached_key`` and ``cached_value``: ``(*batch, max_length, num_kv_heads, head_dim)``, in the
   compute dtype (with ``dtype=None``, in ``param_dtype``; keys and values are cast to it when
   written), zeros at `init`;
 - ``cache_index``: an int32 scalar, the number of positions written so far.
@@ -45,45 +47,51 @@ import jax.numpy as jnp
 from .. import initializers
 from .._core.module import Module
 from .._core.types import Dtype, Initializer, PrecisionLike
-from .._core.variables import Cache, FrozenParam, Parameter, State
+from .._core.variables import FrozenParam, Parameter, State
 from . import _checks, _dtypes
+from . import attention_setup as setup
 from ._projections import Projection, dense_general, project_heads_out, project_qkv
 from .attention import check_broadcast, check_key, check_mask, dot_product_attention
-from .attention_arguments import accepted_arguments, call_attention_fn, function_name
-from .attention_decoding import (
-    cache_and_mask,
-    check_cache_kind,
-    check_decoding_step,
-    checked_decode_shape,
-)
-from .layer_normalization import LayerNorm
+from .attention_arguments import function_name
+from .attention_decoding import cache_and_mask, check_cache_kind, check_decoding_step
+from .attention_fused import attend
+from .layer_normalization import LayerNorm, RMSNorm
 
 
 class MultiHeadAttention(Module):
     """Multi-head dot-product attention, Flax Linen's ``MultiHeadDotProductAttention``.
 
-    Projects the queries, keys and values to ``num_heads`` heads of ``head_dim =
-    qkv_size // num_heads`` features, attends (`dot_product_attention`) and projects the
-    heads back to ``out_size``. Variables are Linen's: submodules ``query``, ``key`` and
-    ``value`` (``kernel`` ``(in_size, num_heads, head_dim)``, ``bias`` ``(num_heads,
-    head_dim)``) and ``out`` (``kernel`` ``(num_heads, head_dim, out_size)``, ``bias``
-    ``(out_size,)``); with `decode_shape`, the cache ``cached_key``, ``cached_value`` and
-    ``cache_index`` (see the module's documentation for incremental decoding).
+    Projects the queries to ``num_heads`` heads of ``head_dim = qkv_size // num_heads``
+    features and the keys and values to `num_kv_heads` heads (all by default), attends
+    (`dot_product_attention`) and projects the heads back to ``out_size``. Variables are
+    Linen's: submodules ``query`` (``kernel`` ``(in_size, num_heads, head_dim)``, ``bias``
+    ``(num_heads, head_dim)``), ``key`` and ``value`` (``(key_size, num_kv_heads,
+    head_dim)``, ``(num_kv_heads, head_dim)``) and ``out`` (``kernel`` ``(num_heads,
+    head_dim, out_size)``, ``bias`` ``(out_size,)``); with `decode_shape`, the cache
+    ``cached_key``, ``cached_value`` and ``cache_index`` (see the module's documentation).
 
     Cross-attention: the keys and values may come from other inputs, whose feature sizes
     (`key_size`, `value_size`) are declared here because the key and value kernels
     are sized by them.
 
     Args:
-        num_heads: Number of heads; must divide `qkv_size`.
+        num_heads: Number of (query) heads; must divide `qkv_size`.
         in_size: Feature size of the queries' input (``inputs_q.shape[-1]``).
         qkv_size: Total size of the projected queries, keys and values (default
             `in_size`).
         out_size: Size of the output's last axis (default `in_size`).
         key_size: Feature size of ``inputs_k`` (default `in_size`).
         value_size: Feature size of ``inputs_v`` (default `key_size`).
+        num_kv_heads: Number of key and value heads (default `num_heads`); a divisor of
+            `num_heads` gives grouped-query attention (1: multi-query), query head ``h``
+            using key/value head ``h // (num_heads // num_kv_heads)`` as Hugging Face's.
+        head_dim: Features per head; default ``qkv_size // num_heads``. Given, `qkv_size`
+            defaults to ``num_heads * head_dim`` (which may differ from `in_size`, as in
+            Qwen3 and Gemma) and must equal it.
         dropout_rate: Dropout on the attention weights while training, in ``[0, 1)``.
         use_bias: Whether the four projections add a bias.
+        out_use_bias: Whether the output projection adds one (default `use_bias`; Qwen2:
+            ``use_bias=True, out_use_bias=False``).
         kernel_init: Initializer of the projection kernels, called (as Linen's) with the
             kernel seen as a ``(fan_in, fan_out)`` matrix.
         bias_init: Initializer of the biases.
@@ -97,7 +105,10 @@ class MultiHeadAttention(Module):
             out)``, e.g. ``("heads", "kv", "embed")``. Not derived from `kernel_sharding`
             (its axes are in another order): None replicates it.
         out_bias_sharding: Logical axis name of the output bias, ``(out,)``. (The small
-            ``query_ln``/``key_ln`` scales and the decoding cache are not named: replicated.)
+            q/k norm scales and the decoding cache are not named: replicated.)
+        kv_kernel_sharding: Logical axis names of the key and value kernels, e.g.
+            ``("embed", "kv_heads", None)`` (default `kernel_sharding`).
+        kv_bias_sharding: Logical axis names of their biases (default `bias_sharding`).
         dtype: Compute dtype (inputs, variables and cache are used in it); None computes
             each step in the promotion of its operands, as Linen's default: each projection
             in that of its input and variables, the attention in that of the queries, keys
@@ -116,10 +127,28 @@ class MultiHeadAttention(Module):
             ``sow(collection, name, value)`` records with `lm.sow`): lamina's functions and
             Linen's (``flax.linen.dot_product_attention``) both work. A ``**kwargs`` gets
             nothing, as in Linen. A call whose mask, dropout or `sow_weights` the function
-            cannot take is an error, not silently dropped.
+            cannot take is an error, not silently dropped. With `num_kv_heads` <
+            `num_heads`, a function other than `dot_product_attention` gets the keys and
+            values repeated to `num_heads` heads.
         normalize_qk: Layer-normalise the queries and keys of each head before the product
-            (Linen's ``normalize_qk``, from ViT-22B): submodules ``query_ln`` and ``key_ln``,
-            `LayerNorm` of `head_dim` features without a bias.
+            (Linen's ``normalize_qk``, from ViT-22B): ``qk_norm="layer"``.
+        qk_norm: Normalise each head's queries and keys: None; ``"layer"``: submodules
+            ``query_ln`` and ``key_ln``, `LayerNorm` of `head_dim` features without a bias;
+            ``"rms"``: ``query_norm`` and ``key_norm``, `RMSNorm` scaling in the input dtype
+            (``scale_in_input_dtype=True``), as Qwen3.
+        qk_norm_eps: The epsilon of those norms.
+        rope: A `RotaryEmbedding` of `head_dim` (submodule ``rope``) rotating the queries
+            and keys, after their norms, by the call's ``positions``; None: no rotation.
+        sliding_window: ``w``: a query at position (cache slot, when decoding) ``q`` sees
+            only the keys at ``k > q - w`` (itself and the ``w - 1`` before it; Mistral's).
+            It bounds the past keys only, so calls need ``causal=True`` or `decode` (else a
+            `ValueError`); for a two-sided window, pass a `mask` instead.
+        implementation: None: attend with `attention_fn`; ``"xla"`` or ``"cudnn"``: call
+            `jax.nn.dot_product_attention` with that implementation (cuDNN's fused attention
+            needs a GPU and float16/bfloat16). It needs the default `attention_fn`, no
+            `precision`, and per call no dropout while training and no `sow_weights`:
+            otherwise a `ValueError` names what stands in the way. Its softmax is always in
+            float32; in float32 it matches None within about 1e-6, not bit for bit.
         decode_shape: ``(*batch, max_length)``: declares the decoding cache for inputs with
             that batch shape and up to `max_length` positions. None: no cache, and calls
             with ``decode=True`` are an error.
@@ -156,6 +185,14 @@ class MultiHeadAttention(Module):
         >>> int(variables["cache"]["cache_index"]), y0.shape
         (1, (3, 1, 8))
 
+        Grouped-query attention (2 key/value heads for 4 query heads) with RoPE:
+
+        >>> rope = lm.RotaryEmbedding(4)
+        >>> mha = lm.MultiHeadAttention(4, 8, num_kv_heads=2, head_dim=4, rope=rope)
+        >>> variables = lm.transform(mha)[0](jax.random.key(0))
+        >>> variables["params"]["key"]["kernel"].shape
+        (8, 2, 4)
+
         The attention weights, recorded on request:
 
         >>> mha = lm.MultiHeadAttention(num_heads=2, in_size=8, normalize_qk=True)
@@ -189,6 +226,27 @@ class MultiHeadAttention(Module):
     attention_fn = _checks.Setting()
     normalize_qk = _checks.Setting()
     decode_shape = _checks.Setting()
+    num_kv_heads = _checks.Setting()
+    qk_norm = _checks.Setting()
+    qk_norm_eps = _checks.Setting()
+    out_use_bias = _checks.Setting()
+    sliding_window = _checks.Setting()
+    implementation = _checks.Setting()
+
+    # Submodules and the cache, declared by attention_setup (None when absent; the cache's
+    # three `Cache` declarations are Any: read only when decoding).
+    query: Any
+    key: Any
+    value: Any
+    out: Any
+    query_ln: LayerNorm | None
+    key_ln: LayerNorm | None
+    query_norm: RMSNorm | None
+    key_norm: RMSNorm | None
+    rope: Any
+    cached_key: Any
+    cached_value: Any
+    cache_index: Any
 
     def __init__(
         self,
@@ -199,8 +257,11 @@ class MultiHeadAttention(Module):
         out_size: int | None = None,
         key_size: int | None = None,
         value_size: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
         dropout_rate: float = 0.0,
         use_bias: bool = True,
+        out_use_bias: bool | None = None,
         kernel_init: Initializer = initializers.lecun_normal(),
         bias_init: Initializer = initializers.zeros(),
         out_kernel_init: Initializer | None = None,
@@ -209,6 +270,8 @@ class MultiHeadAttention(Module):
         bias_sharding: Sequence[str | None] | None = None,
         out_kernel_sharding: Sequence[str | None] | None = None,
         out_bias_sharding: Sequence[str | None] | None = None,
+        kv_kernel_sharding: Sequence[str | None] | None = None,
+        kv_bias_sharding: Sequence[str | None] | None = None,
         dtype: Dtype = jnp.float32,
         param_dtype: Dtype = None,
         precision: PrecisionLike = None,
@@ -216,11 +279,27 @@ class MultiHeadAttention(Module):
         force_fp32_for_softmax: bool = False,
         attention_fn: Callable[..., jax.Array] = dot_product_attention,
         normalize_qk: bool = False,
+        qk_norm: str | None = None,
+        qk_norm_eps: float = 1e-6,
+        rope: Module | None = None,
+        sliding_window: int | None = None,
+        implementation: str | None = None,
         decode_shape: Sequence[int] | None = None,
     ):
         super().__init__()
-        self._set_sizes(num_heads, in_size, qkv_size, out_size, key_size, value_size)
-        self._set_options(
+        setup.set_sizes(
+            self,
+            num_heads,
+            in_size,
+            qkv_size,
+            out_size,
+            key_size,
+            value_size,
+            num_kv_heads,
+            head_dim,
+        )
+        setup.set_options(
+            self,
             dropout_rate,
             use_bias,
             dtype,
@@ -229,164 +308,25 @@ class MultiHeadAttention(Module):
             broadcast_dropout,
             force_fp32_for_softmax,
             attention_fn,
-            normalize_qk,
         )
-        self._declare_projections(
+        setup.set_modern_options(
+            self, normalize_qk, qk_norm, qk_norm_eps, out_use_bias, sliding_window, implementation
+        )
+        setup.declare_projections(
+            self,
             (kernel_init, bias_init, out_kernel_init, out_bias_init),
-            (kernel_sharding, bias_sharding, out_kernel_sharding, out_bias_sharding),
+            (
+                kernel_sharding,
+                bias_sharding,
+                out_kernel_sharding,
+                out_bias_sharding,
+                kv_kernel_sharding,
+                kv_bias_sharding,
+            ),
         )
-        self._declare_qk_norms()
-        self._declare_cache(decode_shape)
-
-    def _set_sizes(
-        self,
-        num_heads: int,
-        in_size: int,
-        qkv_size: int | None,
-        out_size: int | None,
-        key_size: int | None,
-        value_size: int | None,
-    ) -> None:
-        """Checks and sets the number of heads and the sizes (defaults: `in_size`), `head_dim`."""
-        name = type(self).__name__
-        self.num_heads = _checks.positive_int(name, "num_heads", num_heads)
-        self.in_size = _checks.positive_int(name, "in_size", in_size)
-
-        def size(setting: str, value: Any, default: int) -> int:
-            return _checks.positive_int(name, setting, default if value is None else value)
-
-        self.qkv_size = size("qkv_size", qkv_size, self.in_size)
-        self.out_size = size("out_size", out_size, self.in_size)
-        self.key_size = size("key_size", key_size, self.in_size)
-        self.value_size = size("value_size", value_size, self.key_size)
-        if self.qkv_size % self.num_heads:
-            raise ValueError(
-                f"{name}: qkv_size={self.qkv_size} is not divisible by "
-                f"num_heads={self.num_heads}; each head gets qkv_size // num_heads "
-                f"features, so choose qkv_size as a multiple of num_heads."
-            )
-        self.head_dim = self.qkv_size // self.num_heads
-
-    def _set_options(
-        self,
-        dropout_rate: float,
-        use_bias: bool,
-        dtype: Dtype,
-        param_dtype: Dtype,
-        precision: PrecisionLike,
-        broadcast_dropout: bool,
-        force_fp32_for_softmax: bool,
-        attention_fn: Callable[..., jax.Array],
-        normalize_qk: bool,
-    ) -> None:
-        """Checks and sets the options of the attention: dropout, dtypes, `attention_fn`..."""
-        name = type(self).__name__
-        self.dropout_rate = _checks.non_negative(name, "dropout_rate", dropout_rate, below=1.0)
-        self.use_bias = _checks.flag(name, "use_bias", use_bias)
-        self.dtype = _dtypes.layer_dtype(name, dtype)
-        self.param_dtype = _dtypes.storage_dtype(name, param_dtype, self.dtype)
-        self.precision = _checks.precision(name, precision)
-        self.broadcast_dropout = _checks.flag(name, "broadcast_dropout", broadcast_dropout)
-        self.force_fp32_for_softmax = _checks.flag(
-            name, "force_fp32_for_softmax", force_fp32_for_softmax
-        )
-        self.attention_fn = _checks.function(
-            name, "attention_fn", attention_fn, "lm.dot_product_attention"
-        )
-        accepted_arguments(name, self.attention_fn)  # its signature must be readable
-        self.normalize_qk = _checks.flag(name, "normalize_qk", normalize_qk)
-
-    def _declare_projections(
-        self,
-        inits: tuple[Initializer, Initializer, Initializer | None, Initializer | None],
-        shardings: tuple[Sequence[str | None] | None, ...],
-    ) -> None:
-        """Declares the ``query``, ``key``, ``value`` and ``out`` projections (Linen's).
-
-        `inits` is ``(kernel_init, bias_init, out_kernel_init, out_bias_init)``, the output's
-        None for the others'; `shardings` the four shardings in that order.
-        """
-        name = type(self).__name__
-        kernel_init, bias_init, out_kernel_init, out_bias_init = inits
-        kernel_sharding, bias_sharding, out_kernel_sharding, out_bias_sharding = shardings
-        kernel_init = _checks.initializer(name, "kernel_init", kernel_init)
-        bias_init = _checks.initializer(name, "bias_init", bias_init)
-        out_kernel_init = kernel_init if out_kernel_init is None else out_kernel_init
-        out_kernel_init = _checks.initializer(name, "out_kernel_init", out_kernel_init)
-        out_bias_init = bias_init if out_bias_init is None else out_bias_init
-        out_bias_init = _checks.initializer(name, "out_bias_init", out_bias_init)
-        use_bias, dtype, param_dtype = self.use_bias, self.dtype, self.param_dtype
-
-        heads = (self.num_heads, self.head_dim)
-        kernel_names = _checks.sharding(name, "kernel_sharding", kernel_sharding, 3)
-        bias_names = _checks.sharding(name, "bias_sharding", bias_sharding, 2)
-        out_kernel_names = _checks.sharding(name, "out_kernel_sharding", out_kernel_sharding, 3)
-        out_bias_names = _checks.sharding(name, "out_bias_sharding", out_bias_sharding, 1)
-
-        def projection(size: int) -> Projection:
-            return Projection(
-                (size, *heads),
-                heads,
-                1,
-                use_bias,
-                kernel_init,
-                bias_init,
-                dtype,
-                param_dtype,
-                kernel_names,
-                bias_names,
-            )
-
-        self.query = projection(self.in_size)
-        self.key = projection(self.key_size)
-        self.value = projection(self.value_size)
-        self.out = Projection(
-            (*heads, self.out_size),
-            (self.out_size,),
-            2,
-            use_bias,
-            out_kernel_init,
-            out_bias_init,
-            dtype,
-            param_dtype,
-            out_kernel_names,
-            out_bias_names,
-        )
-
-    def _declare_qk_norms(self) -> None:
-        """Linen's LayerNorms of the queries and keys per head (ViT-22B's QK normalisation)."""
-        self.query_ln: LayerNorm | None = None
-        self.key_ln: LayerNorm | None = None
-        if self.normalize_qk:
-            self.query_ln, self.key_ln = (
-                LayerNorm(
-                    self.head_dim,
-                    use_bias=False,
-                    dtype=self.dtype,
-                    param_dtype=self.param_dtype,
-                )
-                for _ in range(2)
-            )
-
-    def _declare_cache(self, decode_shape: Sequence[int] | None) -> None:
-        """Checks `decode_shape` and declares the decoding cache (three `Cache`), or None."""
-        name = type(self).__name__
-        self.decode_shape = (
-            None if decode_shape is None else checked_decode_shape(name, decode_shape)
-        )
-        # The cache: three Cache declarations when decoding, else None (Any: read only then).
-        self.cached_key: Any
-        self.cached_value: Any
-        self.cache_index: Any
-        if self.decode_shape is None:
-            self.cached_key = self.cached_value = self.cache_index = None
-        else:
-            cache_shape = (*self.decode_shape, self.num_heads, self.head_dim)
-            zeros = initializers.zeros()
-            cache_dtype = self.param_dtype if self.dtype is None else self.dtype
-            self.cached_key = Cache(cache_shape, zeros, cache_dtype)
-            self.cached_value = Cache(cache_shape, zeros, cache_dtype)
-            self.cache_index = Cache((), zeros, jnp.int32)
+        setup.declare_qk_norms(self)
+        setup.declare_rope(self, rope)
+        setup.declare_cache(self, decode_shape)
 
     @property
     def max_length(self) -> int | None:
@@ -405,17 +345,24 @@ class MultiHeadAttention(Module):
         decode: bool = False,
         dropout_rng: Any = None,
         sow_weights: bool = False,
+        positions: jax.Array | None = None,
     ) -> jax.Array:
         """Attends from `inputs_q` to `inputs_k`/`inputs_v` (self-attention when omitted).
+
+        The steps: project to heads, normalise the queries and keys (`qk_norm`), rotate them
+        (`rope`, by `positions`), write the keys and values to the cache (`decode`), attend,
+        project the heads back.
 
         Args:
             inputs_q: ``(batch..., q_length, in_size)``.
             inputs_k: ``(batch..., kv_length, key_size)``; default `inputs_q`.
             inputs_v: ``(batch..., kv_length, value_size)``; default `inputs_k`.
             mask: A bool array broadcastable to ``(batch..., num_heads, q_length,
-                kv_length)`` (with ``decode=True``, kv_length is ``max_length``); True keeps a
-                pair. Masks of other dtypes are an error: a 0/1 mask is ``mask.astype(bool)``,
-                an additive one (0 keeps, -inf drops) is ``mask == 0``.
+                kv_length)`` (with ``decode=True``, kv_length is ``max_length``: a
+                ``(batch, 1, 1, max_length)`` mask marks the valid cache slots, e.g. not the
+                left padding of a prompt); True keeps a pair. It is AND-ed with the causal,
+                cache and window masks. Masks of other dtypes are an error: a 0/1 mask is
+                ``mask.astype(bool)``, an additive one (0 keeps, -inf drops) is ``mask == 0``.
             causal: Also keep only the pairs with key position <= query position (positions
                 count from the start of both sequences). Implied by `decode`.
             is_training: Apply dropout to the attention weights. A Python bool.
@@ -426,6 +373,11 @@ class MultiHeadAttention(Module):
             sow_weights: Record the attention weights (before dropout) as
                 ``"attention_weights"`` in the ``"intermediates"`` collection, kept when the
                 caller of `apply` asks for it (``{**variables, "intermediates": {}}``).
+            positions: The positions `rope` rotates the queries and keys by: integers
+                broadcastable to ``(batch..., q_length)`` along the batch axes (``(q_length,)``,
+                or Hugging Face's ``(1, q_length)``). Default: ``0, 1, ...`` (plus
+                ``cache_index`` with ``decode=True``); a left-padded batch passes each row's
+                own (Hugging Face's ``cumsum(mask) - 1``). Only with `rope`.
 
         Returns:
             ``(batch..., q_length, out_size)``.
@@ -434,6 +386,7 @@ class MultiHeadAttention(Module):
         _checks.static_flags(
             name, causal=causal, is_training=is_training, decode=decode, sow_weights=sow_weights
         )
+        setup.check_window_call(self, causal, decode)
         inputs = self._inputs(inputs_q, inputs_k, inputs_v)
         q_shape, k_shape = tuple(jnp.shape(inputs[0])), tuple(jnp.shape(inputs[1]))
         batch, q_len = q_shape[:-2], q_shape[-2]
@@ -448,21 +401,32 @@ class MultiHeadAttention(Module):
             check_broadcast(name, "mask", jnp.shape(mask), weights_shape)
         if dropout_rng is not None:
             check_key(name, "dropout_rng", dropout_rng)
+        positions = setup.checked_positions(self, positions, batch, q_len, k_shape[-2], cache)
 
         query, key, value = self._project_inputs(inputs)
-        if self.query_ln is not None and self.key_ln is not None:
-            query, key = self.query_ln(query), self.key_ln(key)
+        query, key = self._normalized(query, key)
+        if self.rope is not None:
+            query, key = self.rope(query, positions), self.rope(key, positions)
         fits = None
         if cache is not None:
             check_cache_kind(self, key, value)
-        if cache is not None or causal or mask is not None:
+        window = self.sliding_window
+        if cache is not None or causal or mask is not None or window is not None:
             key, value, mask, new_cache, fits = cache_and_mask(
-                key, value, mask, cache, self.num_heads, q_len, causal and not decode
+                key, value, mask, cache, q_len, causal and not decode, window
             )
             if new_cache is not None:
                 self.cached_key.value, self.cached_value.value, self.cache_index.value = new_cache
-        x = call_attention_fn(self, query, key, value, mask, is_training, dropout_rng, sow_weights)
+        x = attend(self, query, key, value, mask, is_training, dropout_rng, sow_weights)
         return self._project_output(x, (*batch, q_len), fits)
+
+    def _normalized(self, query: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The queries and keys normalised per head (`qk_norm`), or as they are."""
+        if self.query_ln is not None and self.key_ln is not None:
+            return self.query_ln(query), self.key_ln(key)
+        if self.query_norm is not None and self.key_norm is not None:
+            return self.query_norm(query), self.key_norm(key)
+        return query, key
 
     def _inputs(
         self, inputs_q: jax.Array, inputs_k: jax.Array | None, inputs_v: jax.Array | None
@@ -497,10 +461,14 @@ class MultiHeadAttention(Module):
     def _project_inputs(
         self, inputs: tuple[jax.Array, jax.Array, jax.Array]
     ) -> tuple[jax.Array, ...]:
-        """The queries, keys and values in heads: ``(batch..., length, num_heads, head_dim)``."""
+        """The queries, keys and values in heads: ``(batch..., length, heads, head_dim)``.
+
+        The queries have `num_heads` heads, the keys and values `num_kv_heads`.
+        """
         layers = (self.query, self.key, self.value)
-        heads = (self.num_heads, self.head_dim)
-        if all(type(layer) is Projection for layer in layers):
+        kv_heads = (self.num_kv_heads, self.head_dim)
+        heads = ((self.num_heads, self.head_dim), kv_heads, kv_heads)
+        if all(_own_projection(layer) for layer in layers):
             # The fused path (one compiled call for the three): only for the layer's own
             # projections, whose computation it provably is.
             projections = tuple(self._arrays(name) for name in ("query", "key", "value"))
@@ -513,8 +481,8 @@ class MultiHeadAttention(Module):
             return project_qkv(inputs, projections, dtypes, self.precision)
         names = ("query", "key", "value")
         return tuple(
-            self._projected(name, layer, x, 1, (*jnp.shape(x)[:-1], *heads))
-            for name, layer, x in zip(names, layers, inputs, strict=True)
+            self._projected(name, layer, x, 1, (*jnp.shape(x)[:-1], *shape))
+            for name, layer, x, shape in zip(names, layers, inputs, heads, strict=True)
         )
 
     def _project_output(
@@ -535,7 +503,7 @@ class MultiHeadAttention(Module):
                 f"returns one vector per query position and head, as "
                 f"lm.dot_product_attention."
             )
-        if type(self.out) is not Projection:
+        if not _own_projection(self.out):
             out = self._projected("out", self.out, x, 2, (*positions, self.out_size))
             return out if fits is None else jnp.where(fits, out, jnp.nan)
         kernel, bias = self._arrays("out")
@@ -551,7 +519,7 @@ class MultiHeadAttention(Module):
         wrapper of the user's) is called, never read for a ``kernel``: its computation is its
         own. Its output must have the shape the attention takes.
         """
-        if type(layer) is Projection:
+        if _own_projection(layer):
             kernel, bias = self._arrays(name)
             dtype = _dtypes.compute_dtype(self, self.dtype, x, kernel, bias)
             return dense_general(x, kernel, bias, n_contract, dtype, self.precision)
@@ -580,7 +548,7 @@ class MultiHeadAttention(Module):
         change the heads' shape silently), the bias none or one of its shape.
         """
         layer = getattr(self, name)
-        heads = (self.num_heads, self.head_dim)
+        heads = (self.num_heads if name in ("query", "out") else self.num_kv_heads, self.head_dim)
         sizes = {"query": self.in_size, "key": self.key_size, "value": self.value_size}
         if name == "out":
             shapes: tuple[tuple[int, ...], tuple[int, ...]] = (
@@ -614,6 +582,11 @@ class MultiHeadAttention(Module):
         """The cached keys and values and the index, once the step is checked to fit."""
         index = check_decoding_step(self, batch, q_len, k_shape)
         return self.cached_key.value, self.cached_value.value, index
+
+
+def _own_projection(layer: Any) -> bool:
+    """Whether `layer` is a `Projection` the layer reads (under a policy's boundary too)."""
+    return getattr(type(layer), "_lamina_unwrapped", type(layer)) is Projection
 
 
 def _check_input(arg: str, x: Any, setting: str, expected: int) -> tuple[int, ...]:

@@ -122,6 +122,8 @@ def normalize(
     feature_axes: tuple[int, ...],
     epsilon: float,
     dtype: Dtype,
+    scale_offset: float = 0.0,
+    scale_in_input_dtype: bool = False,
 ) -> jax.Array:
     """``(x - mean) * rsqrt(var + epsilon) * scale + bias``, cast to `dtype`.
 
@@ -129,7 +131,17 @@ def normalize(
     `feature_axes` (non-negative, increasing). The operations, their order and their dtypes
     are Linen's: ``x - mean`` in the promoted dtype of both, ``rsqrt`` in the statistics'
     dtype, the scale folded into that factor first.
+
+    The two options change the order and dtypes of the scale's product (Hugging Face's
+    RMSNorms; `scaled_rms`): with `scale_in_input_dtype`, the normalised `x` is cast to `x`'s
+    dtype before the product (Llama's); with a nonzero `scale_offset` alone, the product is
+    ``(x * rsqrt(var + epsilon)) * (scale_offset + scale)`` in the statistics' dtype
+    (Gemma's).
     """
+    if scale_offset or scale_in_input_dtype:
+        return scaled_rms(
+            x, mean, var, scale, feature_axes, epsilon, dtype, scale_offset, scale_in_input_dtype
+        )
     feature_shape = tuple(x.shape[a] if a in feature_axes else 1 for a in range(x.ndim))
     if mean is None:  # Linen subtracts a zero mean, which changes nothing
         y = x.astype(promote(x.dtype, var.dtype))
@@ -148,6 +160,43 @@ def normalize(
     return y.astype(dtype)
 
 
+def scaled_rms(
+    x: jax.Array,
+    mean: jax.Array | None,
+    var: jax.Array,
+    scale: jax.Array | None,
+    feature_axes: tuple[int, ...],
+    epsilon: float,
+    dtype: Dtype,
+    scale_offset: float,
+    scale_in_input_dtype: bool,
+) -> jax.Array:
+    """The normalisation of Hugging Face's RMSNorms (``transformers``' order and dtypes).
+
+    Llama's (`scale_in_input_dtype`): ``scale * (x32 * rsqrt(var + eps)).astype(x.dtype)``,
+    the product in the promotion of `x`'s and the scale's dtypes. Gemma's (`scale_offset`
+    1.0): ``(x32 * rsqrt(var + eps)) * (1 + scale32)`` in the statistics' dtype, cast after.
+    The effective scale is ``scale_offset + scale``; the result is cast to `dtype`.
+    """
+    feature_shape = tuple(x.shape[a] if a in feature_axes else 1 for a in range(x.ndim))
+    stats = var.dtype
+    if mean is None:
+        y = x.astype(promote(x.dtype, stats))
+    else:
+        y_dtype = promote(x.dtype, mean.dtype)
+        y = x.astype(y_dtype) - mean.astype(y_dtype)
+    y = y * lax.rsqrt(var + epsilon).astype(y.dtype)
+    if scale_in_input_dtype:
+        y = y.astype(x.dtype)
+    if scale is None:
+        return y.astype(dtype)
+    product = promote(y.dtype, scale.dtype)
+    factor = jnp.reshape(scale, feature_shape).astype(product)
+    if scale_offset:
+        factor = jnp.asarray(scale_offset, product) + factor
+    return (y.astype(product) * factor).astype(dtype)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -161,6 +210,8 @@ def normalize(
         "group_size",
         "axis_name",
         "axis_index_groups",
+        "scale_offset",
+        "scale_in_input_dtype",
     ),
 )
 def normalization(
@@ -179,12 +230,15 @@ def normalization(
     group_size: int | None = None,
     axis_name: Hashable | None = None,
     axis_index_groups: Any = None,
+    scale_offset: float = 0.0,
+    scale_in_input_dtype: bool = False,
 ) -> jax.Array:
     """Normalises `x` with its statistics over `reduction_axes` (every per-example norm).
 
     With `group_size`, the last axis (which `reduction_axes` must include) is split into
     groups of `group_size` consecutive channels, and each group has its own statistics
-    (Linen's ``GroupNorm``). Axes are non-negative and increasing.
+    (Linen's ``GroupNorm``). Axes are non-negative and increasing. `scale_offset` and
+    `scale_in_input_dtype` are `normalize`'s (RMSNorm's options).
     """
     x = jnp.asarray(x)
     if group_size is None:
@@ -198,7 +252,10 @@ def normalization(
             axis_name=axis_name,
             axis_index_groups=axis_index_groups,
         )
-        return normalize(x, mean, var, scale, bias, feature_axes, epsilon, dtype)
+        return normalize(
+            x, mean, var, scale, bias, feature_axes, epsilon, dtype, scale_offset,
+            scale_in_input_dtype,
+        )  # fmt: skip
     channels = x.shape[-1]
     grouped = (*x.shape[:-1], channels // group_size, group_size)
     if mask is not None:
@@ -470,7 +527,13 @@ class Normalization(Module, abc.ABC):
         return scale, bias
 
     def _normalize(
-        self, x: Any, mask: Any, use_mean: bool = True, group_size: int | None = None
+        self,
+        x: Any,
+        mask: Any,
+        use_mean: bool = True,
+        group_size: int | None = None,
+        scale_offset: float = 0.0,
+        scale_in_input_dtype: bool = False,
     ) -> jax.Array:
         """The call of every per-example norm: checks, dtypes, then the `normalization` kernel."""
         reduction, features = self._axes(x)
@@ -494,4 +557,6 @@ class Normalization(Module, abc.ABC):
                 group_size=group_size,
                 axis_name=self.axis_name,
                 axis_index_groups=self.axis_index_groups,
+                scale_offset=scale_offset,
+                scale_in_input_dtype=scale_in_input_dtype,
             )

@@ -390,8 +390,8 @@ def _casts_inputs(module: Module) -> bool:
 def _boundary(module: Module, effective: dict[int, Policy | None]) -> Boundary | None:
     """The casts a matched `module`'s call needs by its own policy, or None."""
     policy = vars(module).get("_lamina_policy")
-    if policy is None or not callable(module):
-        return None  # not callable: holds variables that its parent reads
+    if policy is None or not _called(module):
+        return None  # holds variables that its parent reads
     if _casts_inputs(module) and _uniform(module, policy, effective):
         if policy.output_dtype == policy.compute_dtype:
             return None
@@ -499,12 +499,22 @@ def _is_precision(value: Any) -> bool:
         return False
 
 
+def _called(module: Module) -> bool:
+    """Whether `module`'s parent calls it (rather than reading its variables).
+
+    A module that cannot be called is read; so is one whose class says
+    ``_lamina_read_by_parent = True`` (a `MultiHeadAttention`'s projections: callable on
+    their own, as a LoRA base calls them, but read by the attention).
+    """
+    return callable(module) and not getattr(type(module), "_lamina_read_by_parent", False)
+
+
 def _read_only(module: Module) -> bool:
     """Whether `module` only holds variables for its parent to read.
 
-    Neither it nor any module below it can be called (a `MultiHeadAttention`'s projections).
+    Neither it nor any module below it is called (a `MultiHeadAttention`'s projections).
     """
-    return not any(callable(node) for node in _modules_under(module))
+    return not any(_called(node) for node in _modules_under(module))
 
 
 def _check_read_parts(plan: Plan, effective: dict[int, Policy | None]) -> None:

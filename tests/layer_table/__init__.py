@@ -51,6 +51,8 @@ NOT_LAYERS = {
     "combine_masks": "combines masks, holds nothing; tested against Linen in test_nn_attention",
     "merge_lora": "transforms a model and its variables; tested in test_lora.py",
     "LoRAParam": "a kind of Parameter (a declaration), not a layer; tested in test_lora.py",
+    "rope_frequencies": "returns NumPy frequencies, holds nothing; tested against transformers "
+    "in test_nn_rotary",
 }
 
 # The entries, family by family (one file each).

@@ -30,6 +30,27 @@ LAYERS: list[LayerCase] = [
         args(normal(2, 4, 6)),
         kwargs={"causal": True, "sow_weights": True},  # recorded only on request: not here
     ),
+    LayerCase(  # Llama-family options: GQA, head_dim != in_size / heads, RoPE, RMS q/k norms
+        "attention_gqa_rope_rms",
+        lambda t, p: lm.MultiHeadAttention(
+            4,
+            8,
+            num_kv_heads=2,
+            head_dim=4,
+            rope=lm.RotaryEmbedding(4),
+            qk_norm="rms",
+            out_use_bias=False,
+            **d(t, p),
+        ),
+        args(normal(2, 5, 8)),
+        kwargs={"causal": True},
+    ),
+    LayerCase(  # multi-query, a sliding window (implementation="xla" refuses float64)
+        "attention_mqa_window",
+        lambda t, p: lm.MultiHeadAttention(2, 6, num_kv_heads=1, sliding_window=2, **d(t, p)),
+        args(normal(2, 4, 6)),
+        kwargs={"causal": True},
+    ),
     LayerCase(
         "dot_product_attention",
         lambda t, p: Function(lm.dot_product_attention),

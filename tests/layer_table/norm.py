@@ -31,6 +31,22 @@ LAYERS: list[LayerCase] = [
     ),
     LayerCase("layer_norm", lambda t, p: lm.LayerNorm(5, **d(t, p)), args(normal(3, 5))),
     LayerCase("rms_norm", lambda t, p: lm.RMSNorm(5, **d(t, p)), args(normal(2, 3, 5))),
+    LayerCase(
+        "rms_norm_gemma_offset",
+        lambda t, p: lm.RMSNorm(5, scale_offset=1.0, epsilon=1e-5, **d(t, p)),
+        args(normal(2, 3, 5)),
+    ),
+    LayerCase(
+        "rms_norm_llama_order_two_axes",
+        lambda t, p: lm.RMSNorm(
+            (3, 4),
+            reduction_axes=(1, 2),
+            feature_axes=(-2, -1),
+            scale_in_input_dtype=True,
+            **d(t, p),
+        ),
+        args(normal(2, 3, 4)),
+    ),
     LayerCase("group_norm", lambda t, p: lm.GroupNorm(2, 4, **d(t, p)), args(normal(2, 3, 3, 4))),
     LayerCase(
         "instance_norm", lambda t, p: lm.InstanceNorm(4, **d(t, p)), args(normal(2, 3, 3, 4))
