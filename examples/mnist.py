@@ -4,18 +4,26 @@ By default it trains on Fashion-MNIST when Debian's `dataset-fashion-mnist` is i
 (`sudo apt-get install dataset-fashion-mnist` puts it in /usr/share/datasets/fashion-mnist), and
 otherwise on scikit-learn's bundled 8x8 digits, so it runs anywhere without downloading anything.
 It says which data it found. It saves the per-epoch metrics (metrics.json) and the loss and
-accuracy curves (curves.png) in runs/mnist-<date>-<time>/, or in the folder --out names.
+accuracy curves (curves.png) in runs/mnist-<date>-<time>/, or in the folder --out names. With
+--export it also writes the trained network as files that run without lamina: mnist.stablehlo
+(JAX and flatbuffers: jax.export.deserialize) and, with the onnx extra, mnist.onnx (ONNX
+Runtime); metrics.json then records their paths and their differences from apply. Both take
+float32 images [batch, height, width, 1] scaled to [0, 1] and return 10 logits per image.
 
     python examples/mnist.py                          # the default data, 10 epochs
     python examples/mnist.py --data-dir path/to/mnist # MNIST, KMNIST, ... (IDX files)
     python examples/mnist.py --epochs 2 --limit 10000 # a quick run
     python examples/mnist.py --digits                 # the bundled digits
+    python examples/mnist.py --export                 # + the network as deployable files
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import time
+from pathlib import Path
 
 import _common
 import jax
@@ -91,8 +99,13 @@ def evaluate(eval_step, params, state, data, batch_size):
     return meter.compute()
 
 
-def train(args) -> dict:
-    """Trains and evaluates; returns the per-epoch history and the final test metrics."""
+def train(args) -> tuple[dict, dict]:
+    """Trains and evaluates.
+
+    Returns:
+        The per-epoch history and the final test metrics; and the trained network: ``{"model":
+        net, "variables": variables, "test_images": the test set's images}``.
+    """
     data = _common.load_data(args)
     available = len(data.train["label"])
     train_data = data.train
@@ -168,7 +181,7 @@ def train(args) -> dict:
             f"accuracy {trained['accuracy']:.4f}  test loss {tested['loss']:.4f} "
             f"accuracy {tested['accuracy']:.4f}  ({seconds:.1f} s)"
         )
-    return {
+    results = {
         "data": data.name,
         "train_size": train_size,
         "test_size": len(data.test["label"]),
@@ -176,6 +189,12 @@ def train(args) -> dict:
         "test": history[-1] if history else None,
         "steps_per_epoch": steps_per_epoch,
     }
+    trained = {
+        "model": net,
+        "variables": {"params": params, **state},
+        "test_images": data.test["image"],
+    }
+    return results, trained
 
 
 def print_results(results: dict) -> None:
@@ -201,7 +220,7 @@ def print_results(results: dict) -> None:
     )
 
 
-def save(results: dict, args) -> dict:
+def save(results: dict, args, folder: Path) -> dict:
     """Saves the metrics and the loss/accuracy curves in the run's folder."""
     epochs = [row["epoch"] for row in results["history"]]
 
@@ -212,7 +231,49 @@ def save(results: dict, args) -> dict:
         "loss": {"train": line("train_loss"), "test": line("test_loss")},
         "accuracy": {"train": line("train_accuracy"), "test": line("test_accuracy")},
     }
-    return _common.save_run(_common.run_folder(args, "mnist"), results, args, panels, "epoch")
+    return _common.save_run(folder, results, args, panels, "epoch")
+
+
+def export(trained: dict, folder: Path) -> dict:
+    """Writes the trained network as files that run without lamina, and checks them.
+
+    ``mnist.stablehlo`` (``lm.export`` with ``batch_dims="b"``: any batch size, loaded by JAX
+    and flatbuffers, no lamina) and, when the onnx extra is installed, ``mnist.onnx``
+    (``lm.export_onnx``: ONNX Runtime). Each file is loaded back and run on 8 test images;
+    the largest difference from ``apply`` is printed.
+
+    Returns:
+        ``{"stablehlo": path, "onnx": path or None, "max_diff": {format: float}}``.
+    """
+    model, variables = trained["model"], trained["variables"]
+    images = np.asarray(trained["test_images"][:8], np.float32)
+    expected, _ = mx.apply(model)(variables, None, images, False)
+    folder.mkdir(parents=True, exist_ok=True)
+    # is_training=False is a Python value: fixed in the file, whose one input is the images
+    paths = {"stablehlo": folder / "mnist.stablehlo", "onnx": None}
+    mx.export(model, variables, images, False, batch_dims="b", path=paths["stablehlo"])
+    with open(paths["stablehlo"], "rb") as file:  # what a server with JAX + flatbuffers does
+        loaded = jax.export.deserialize(bytearray(file.read()))
+    max_diff = {"stablehlo": float(np.max(np.abs(loaded.call(images) - expected)))}
+    if any(importlib.util.find_spec(name) is None for name in ("jax2onnx", "onnxruntime")):
+        print(
+            "skipped ONNX: it needs the onnx extra: pip install 'lamina[onnx]', or in a lamina "
+            "checkout pip install -c constraints.txt -e '.[onnx]'"
+        )
+    else:
+        import onnxruntime as ort
+
+        paths["onnx"] = folder / "mnist.onnx"
+        mx.export_onnx(model, variables, images, False, batch_dims="b", path=paths["onnx"])
+        session = ort.InferenceSession(str(paths["onnx"]), providers=["CPUExecutionProvider"])
+        (logits,) = session.run(None, {"x": images})
+        max_diff["onnx"] = float(np.max(np.abs(logits - expected)))
+    for name, path in paths.items():
+        if path is not None:
+            print(f"exported {name}: {path}")
+    checks = ", ".join(f"{name} {diff:.1e}" for name, diff in max_diff.items())
+    print(f"max |difference| from apply on {len(images)} test images: {checks}")
+    return {**paths, "max_diff": max_diff}
 
 
 def parse_args(argv=None):
@@ -245,22 +306,58 @@ def parse_args(argv=None):
         "has fewer); the test set stays whole",
     )
     _common.add_output_argument(parser, "mnist")
+    parser.add_argument(
+        "--export",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="after training, write the network to DIR (default: the run's folder) as "
+        "mnist.stablehlo (runs with JAX and flatbuffers: pip install jax flatbuffers) and "
+        "mnist.onnx (ONNX Runtime; needs the onnx extra: pip install 'lamina[onnx]', or "
+        "pip install -c constraints.txt -e '.[onnx]' in a checkout), and check both against "
+        "apply",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     for name in ("epochs", "batch_size", "limit"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.export is not None:  # before training: a bad folder would only show after it
+        problem = export_folder_problem(Path(args.export or args.out or "runs"))
+        if problem:
+            parser.error(f"argument --export: {problem}")
     return args
+
+
+def export_folder_problem(folder: Path) -> str | None:
+    """Why the files of `export` cannot be written in `folder` (created if missing), or None."""
+    if folder.exists() and not folder.is_dir():
+        return f"{folder} is a file, not a folder: give a folder to write mnist.stablehlo in"
+    for name in ("mnist.stablehlo", "mnist.onnx"):
+        if (folder / name).is_dir():
+            return f"{folder / name} is a folder: remove it, or give another --export folder"
+    existing = folder
+    while not existing.exists():  # the nearest folder that exists: the others are created in it
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, so the folder {folder} cannot be created in it"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"the folder {existing} is not writable: give a folder you can write in"
+    return None
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     try:
-        results = train(args)
+        results, trained = train(args)
     except (FileNotFoundError, mx.data.IdxFormatError) as error:
         raise SystemExit(f"error: {error}") from None
     print_results(results)
-    results["files"] = save(results, args)
+    folder = _common.run_folder(args, "mnist")
+    if args.export is not None:  # before saving: metrics.json records the files
+        results["exported"] = export(trained, Path(args.export) if args.export else folder)
+    results["files"] = save(results, args, folder)
+    results["trained"] = trained  # not in metrics.json: for a caller (the tests) to use
     return results
 
 

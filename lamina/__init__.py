@@ -23,6 +23,7 @@ from . import io as io
 from . import models as models
 from . import utils as utils
 from ._core.errors import CheckpointError as CheckpointError
+from ._core.errors import ExportError as ExportError
 from ._core.errors import FrozenModuleError as FrozenModuleError
 from ._core.errors import ImmutableVariableError as ImmutableVariableError
 from ._core.errors import RngError as RngError
@@ -46,6 +47,9 @@ from ._core.variables import State as State
 from .activations import *  # noqa: F403 - the activation functions, flat
 from .debug import check_gradients as check_gradients
 from .debug import grad_rule as grad_rule
+from .deploy import export as export
+from .deploy import export_onnx as export_onnx
+from .deploy import load_exported as load_exported
 from .interop import from_torch as from_torch
 from .interop import register_torch as register_torch
 from .interop import to_torch as to_torch

@@ -4,7 +4,11 @@
 configuration with every weight randomised (transformers initialises biases to 0 and norms
 to 1, which would hide bias, norm and offset bugs), saves it with ``save_pretrained`` under
 `root` and returns ``(folder, torch_model)``. Tests use it through the ``hf_checkpoint``
-fixture of `tests/conftest.py`. Nothing is downloaded.
+fixture of `tests/conftest.py`. `hf_loaded(name, build)` reads such a folder with lamina's
+``from_pretrained`` once per process (the ``hf_model`` fixture), so that the test files that
+compare lamina's model with transformers' share one lamina model, its variables and one
+reference torch model per architecture (and `lm.generate`'s programs, kept with the model).
+Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 }
 
 _BUILT: dict[tuple[str, str], tuple[pathlib.Path, Any]] = {}
+_LOADED: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
 
 
 def randomise(model: Any, seed: int = 0) -> None:
@@ -106,3 +111,35 @@ def hf_folder(name: str, root: pathlib.Path) -> tuple[pathlib.Path, Any]:
     model.save_pretrained(folder, max_shard_size=options.get("max_shard_size", "5GB"))
     _BUILT[key] = (folder, model)
     return folder, model
+
+
+def hf_loaded(name: str, build: Any) -> tuple[Any, Any, Any]:
+    """``(model, variables, torch_model)`` of case `name`, read once per process.
+
+    `build` is the ``hf_checkpoint`` fixture (``name -> (folder, torch_model)``). The torch
+    model of the bfloat16 case is transformers' own reading of the folder: the fixture's
+    model was cast with ``.to(torch.bfloat16)``, which also rounds RoPE's ``inv_freq`` buffer
+    to bfloat16, where ``from_pretrained`` keeps it float32 (as lamina). Callers must not
+    change what they get (copy a dict before editing it).
+    """
+    key = (name, id(build))
+    if key not in _LOADED:
+        from lamina.models import from_pretrained
+
+        folder, torch_model = build(name)
+        model, variables = from_pretrained(folder)
+        if CASES[name][2].get("bfloat16"):
+            torch_model = reference(folder, "bfloat16")
+        _LOADED[key] = (model, variables, torch_model)
+    return _LOADED[key]
+
+
+def reference(folder: pathlib.Path, dtype: str) -> Any:
+    """transformers' model read from `folder` in `dtype` (eager attention, eval mode)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=getattr(torch, dtype), attn_implementation="eager"
+    )
+    return model.eval()

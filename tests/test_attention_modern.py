@@ -25,6 +25,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from transformers import masking_utils  # noqa: E402
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 B, T, HIDDEN, HEADS, KV, D = 2, 12, 32, 4, 2, 8
 COMMON = dict(
     vocab_size=64,
@@ -156,8 +158,18 @@ def hf_forward(name, x, valid=None, positions=None):
     return t2n(out)
 
 
+def normal(seed, shape):
+    """Standard normal float32 test data, drawn by NumPy (a `jax.random` draw of each new
+    shape compiles a program, about a CPU-second)."""
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def bernoulli(seed, p, shape):
+    return np.random.default_rng(seed).random(shape) < p
+
+
 def inputs(seed=1, batch=B, length=T):
-    return np.array(jax.random.normal(jax.random.key(seed), (batch, length, HIDDEN)))
+    return normal(seed, (batch, length, HIDDEN))
 
 
 @functools.cache
@@ -305,7 +317,7 @@ def test_left_padded_decoding(name):
 def test_xla_equals_plain(options, call):
     x = jnp.asarray(inputs(6))
     mask = {
-        "heads": jax.random.bernoulli(jax.random.key(1), 0.7, (B, HEADS, T, T)),
+        "heads": jnp.asarray(bernoulli(1, 0.7, (B, HEADS, T, T))),
         "keys": jnp.asarray(np.arange(T) >= 2)[None, None, None, :],
         None: None,
     }[call.pop("mask", None)]
@@ -323,7 +335,7 @@ def test_xla_with_several_batch_axes_and_none():
     plain = lm.MultiHeadAttention(HEADS, 8, num_kv_heads=2)
     variables = lm.transform(mha)[0](jax.random.key(0))
     for shape in ((3, 2, 5, 8), (5, 8)):
-        x = jax.random.normal(jax.random.key(1), shape)
+        x = jnp.asarray(normal(1, shape))
         mask = jnp.ones((*shape[:-2], 1, 5, 5), bool).at[..., 0, 1].set(False)
         a = lm.transform(mha)[1](variables, None, x, mask=mask, causal=True)[0]
         b = lm.transform(plain)[1](variables, None, x, mask=mask, causal=True)[0]
@@ -349,11 +361,10 @@ def test_xla_in_bfloat16_under_strict_promotion():
 
 def test_grouped_attention_equals_repeated_heads():
     """The grouped branch equals attention over keys and values repeated per group (HF's)."""
-    keys = jax.random.split(jax.random.key(2), 4)
-    q = jax.random.normal(keys[0], (B, 5, 6, 4))
-    k = jax.random.normal(keys[1], (B, 7, 2, 4))
-    v = jax.random.normal(keys[2], (B, 7, 2, 3))
-    mask = jax.random.bernoulli(keys[3], 0.7, (B, 6, 5, 7))
+    q = jnp.asarray(normal(2, (B, 5, 6, 4)))
+    k = jnp.asarray(normal(3, (B, 7, 2, 4)))
+    v = jnp.asarray(normal(4, (B, 7, 2, 3)))
+    mask = jnp.asarray(bernoulli(5, 0.7, (B, 6, 5, 7)))
     grouped = lm.dot_product_attention(q, k, v, mask=mask)
     repeated = lm.dot_product_attention(
         q, jnp.repeat(k, 3, axis=2), jnp.repeat(v, 3, axis=2), mask=mask

@@ -1,6 +1,7 @@
 """examples/char_transformer.py: cached decoding against recomputation, and a run end to end."""
 
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -21,6 +22,9 @@ TEXT = (
 
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}  # for programs that run once
+# the example's own processes, as the marker does in this one (tests/conftest.py)
+FAST_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+pytestmark = pytest.mark.fast_compile
 
 
 @pytest.fixture
@@ -127,6 +131,7 @@ def test_splitting_the_batch_across_cpu_cores_gives_the_numbers_of_one_device(tm
             capture_output=True,
             text=True,
             check=True,
+            env={**os.environ, **FAST_ENV},
         )
         assert f"devices: {devices} CPU, {4 // devices} windows of the batch each" in done.stdout
         runs[devices] = [float(x) for x in re.findall(r"val loss (\d+\.\d+)", done.stdout)]
@@ -136,6 +141,7 @@ def test_splitting_the_batch_across_cpu_cores_gives_the_numbers_of_one_device(tm
         [sys.executable, script, *common, "--devices", "3"],
         capture_output=True,
         text=True,
+        env={**os.environ, **FAST_ENV},
     )
     assert too_many.returncode != 0
     assert "--devices 3 does not divide --batch-size 4" in too_many.stderr

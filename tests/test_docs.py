@@ -2,7 +2,8 @@
 
 The blocks of one file run in order in one namespace (a later block may use an earlier one's
 names), in a fresh Python process with JAX's default configuration (a reader's, not this
-suite's strict one), in an empty temporary folder. A block that is deliberately not runnable
+suite's strict one; only XLA's backend optimisations are off, to compile faster), in an
+empty temporary folder. A block that is deliberately not runnable
 says so on the line before it, and why:
 
     <!-- not-run: the reason -->
@@ -71,7 +72,11 @@ def code_blocks(text: str) -> list[Block]:
 def run_blocks(path: pathlib.Path, blocks: list[Block], cwd: pathlib.Path):
     name = str(path.relative_to(ROOT))
     payload = json.dumps([(name, b.line, b.source) for b in blocks if b.not_run is None])
+    # XLA's backend optimisations off (as pytest.mark.fast_compile, tests/conftest.py): LLVM's
+    # passes are most of a compile, and the blocks compile many small programs; the blocks
+    # run the same operations (the float rounding may differ in the last bits).
     env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)}
+    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     return subprocess.run(
         [sys.executable, "-c", RUNNER],
         input=payload,

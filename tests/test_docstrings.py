@@ -9,6 +9,10 @@ import pytest
 
 import lamina
 
+# Compiled with XLA's backend optimisations off (tests/conftest.py): the examples compile
+# many small programs; every example passes in both modes (checked when this was set).
+pytestmark = pytest.mark.fast_compile
+
 MODULES = sorted(info.name for info in pkgutil.walk_packages(lamina.__path__, prefix="lamina."))
 
 

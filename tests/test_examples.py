@@ -388,3 +388,73 @@ def test_finetune_llm_example_on_a_transformers_checkpoint(monkeypatch, tmp_path
     generated = run_example("generate.py", [*argv, "--max-new-tokens", "5", "--quiet"], monkeypatch)
     assert generated["prompt_ids"] == [ord(c) for c in "To be"]
     assert generated["text"] == "".join(chr(i) for i in generated["new_ids"])
+
+
+@pytest.mark.fast_compile  # small programs compiled once: XLA optimisations cost more
+def test_mnist_example_exports_the_trained_network(monkeypatch, capsys, tmp_path):
+    import onnxruntime as ort  # the onnx extra (in the dev install)
+
+    argv = ["--digits", "--epochs", "1", "--limit", "200", "--quiet", "--out", str(tmp_path)]
+    results = run_example("mnist.py", [*argv, "--export", str(tmp_path / "deploy")], monkeypatch)
+    exported = results["exported"]
+    paths = {name: tmp_path / "deploy" / f"mnist.{name}" for name in ("stablehlo", "onnx")}
+    assert {name: exported[name] for name in paths} == paths
+    out = capsys.readouterr().out
+    assert f"exported stablehlo: {paths['stablehlo']}\nexported onnx: {paths['onnx']}\n" in out
+    assert "max |difference| from apply on 8 test images: stablehlo " in out
+    diffs = exported["max_diff"]
+    assert set(diffs) == {"stablehlo", "onnx"} and max(diffs.values()) < 1e-4
+    saved = json.loads(results["files"]["metrics"].read_text())  # metrics.json records them
+    assert saved["exported"] == {**{k: str(v) for k, v in paths.items()}, "max_diff": diffs}
+    # loaded as a deployment would (JAX + flatbuffers; ONNX Runtime), at another batch size (any
+    # batch runs): apply's logits
+    trained = results["trained"]
+    images = trained["test_images"][8:15]
+    expected, _ = lm.apply(trained["model"])(trained["variables"], None, images, False)
+    with open(paths["stablehlo"], "rb") as file:
+        artifact = jax.export.deserialize(bytearray(file.read()))
+    assert jax.numpy.allclose(artifact.call(images), expected, atol=1e-5)
+    assert str((artifact.in_avals, artifact.out_avals)) == (  # as docs/deploying.md says
+        "((ShapedArray(float32[b,8,8,1]),), (ShapedArray(float32[b,10]),))"
+    )
+    session = ort.InferenceSession(str(paths["onnx"]), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"x": images})
+    assert jax.numpy.allclose(logits, expected, atol=1e-5)
+    # docs/deploying.md's lines for a service, on these files and the raw pixels: apply's classes
+    text = (EXAMPLES.parent / "docs" / "deploying.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    service = {}
+    exec(next(block for block in blocks if "def classify_onnx(" in block), service)
+    pixels = images[..., 0] * 16  # the 8x8 digits' raw values, 0 to 16
+    classes = expected.argmax(axis=-1)
+    for name in ("stablehlo", "onnx"):
+        assert (service[f"classify_{name}"](str(paths[name]), pixels) == classes).all()
+
+
+def test_mnist_example_refuses_a_bad_export_folder_before_training(monkeypatch, capsys, tmp_path):
+    parse_args = example_namespace("mnist.py", monkeypatch)["parse_args"]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    (tmp_path / "taken" / "mnist.onnx").mkdir(parents=True)
+    bad = {
+        str(a_file): rf"--export: {re.escape(str(a_file))} is a file, not a folder",
+        str(a_file / "sub"): rf"{re.escape(str(a_file))} is a file, so the folder .* cannot be",
+        str(tmp_path / "taken"): r"mnist.onnx is a folder: remove it, or give another --export",
+    }
+    for folder, message in bad.items():
+        with pytest.raises(SystemExit, match="2"):
+            parse_args(["--digits", "--export", folder])
+        assert re.search(message, capsys.readouterr().err)
+    # --export without DIR writes in --out: checked the same way
+    with pytest.raises(SystemExit, match="2"):
+        parse_args(["--digits", "--out", str(a_file), "--export"])
+    assert "is a file, not a folder" in capsys.readouterr().err
+    # a folder the user cannot write in (root can write anywhere: the check is os.access's)
+    with monkeypatch.context() as patch, pytest.raises(SystemExit, match="2"):
+        patch.setattr("os.access", lambda path, mode: False)
+        parse_args(["--digits", "--export", str(tmp_path / "new" / "deploy")])
+    assert f"the folder {tmp_path} is not writable" in capsys.readouterr().err
+    # a folder that does not exist yet, under one that does, is fine (export creates it)
+    assert parse_args(["--digits", "--export", str(tmp_path / "new")]).export == str(
+        tmp_path / "new"
+    )

@@ -16,33 +16,16 @@ import numpy as np
 import pytest
 
 import lamina as lm
-from lamina.models import CausalLM, ModelConfig, from_pretrained, generation, init_cache
+from lamina.models import CausalLM, ModelConfig, generation, init_cache
 
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
 
 NEW = 8
 # The RoPE variants and the sharded file decode with the code "llama" does; their logits are
 # checked against transformers in tests/test_models.py.
 F32_CASES = ["llama", "mistral", "qwen2", "qwen3", "gemma"]
-_LOADED: dict[tuple[str, int], tuple] = {}
-
-
-def load(hf_checkpoint, name):
-    """`(model, variables, torch_model)`; the bf16 reference is transformers' own reading
-    (the fixture's ``.to(bfloat16)`` model has a bfloat16 RoPE ``inv_freq``)."""
-    key = (name, id(hf_checkpoint))
-    if key not in _LOADED:
-        folder, torch_model = hf_checkpoint(name)
-        model, variables = from_pretrained(folder)
-        if name == "llama_bf16":
-            import transformers
-
-            torch_model = transformers.AutoModelForCausalLM.from_pretrained(
-                folder, dtype=torch.bfloat16, attn_implementation="eager"
-            ).eval()
-        _LOADED[key] = (model, variables, torch_model)
-    return _LOADED[key]
 
 
 def prompts(vocab, seed=0):
@@ -87,8 +70,8 @@ def torch_generate(torch_model, rows, eos, pad=None, **options):
 
 
 @pytest.mark.parametrize("name", F32_CASES)
-def test_greedy_equals_transformers(hf_checkpoint, name):
-    model, variables, torch_model = load(hf_checkpoint, name)
+def test_greedy_equals_transformers(hf_model, name):
+    model, variables, torch_model = hf_model(name)
     rows = prompts(model.config.vocab_size)
     eos = model.config.eos_token_id  # (2,): transformers' default stop token
     expected = torch_generate(torch_model, rows, eos)
@@ -113,10 +96,10 @@ def stopping_rows(model, variables):
     return rows, (int(free[0, 7 + 2]), int(free[1, 7 + 2]))
 
 
-def test_finished_rows_and_ragged_prompts_are_padded_with_pad_token_id(hf_checkpoint):
+def test_finished_rows_and_ragged_prompts_are_padded_with_pad_token_id(hf_model):
     """transformers writes ``pad_token_id`` (here 0, not the eos 2) in the left padding of
     ragged prompts and after a row stops; without one (None) it writes ``eos[0]``."""
-    model, variables, torch_model = load(hf_checkpoint, "llama")
+    model, variables, torch_model = hf_model("llama")
     assert model.config.pad_token_id == 0 != model.config.eos_token_id[0]
     rows, stops = stopping_rows(model, variables)
     expected = torch_generate(torch_model, rows, stops)  # transformers' own pad_token_id
@@ -130,9 +113,9 @@ def test_finished_rows_and_ragged_prompts_are_padded_with_pad_token_id(hf_checkp
     np.testing.assert_array_equal(np.asarray(got), expected)
 
 
-def test_eos_id_none_stops_at_the_config_eos_and_empty_never_stops(hf_checkpoint):
+def test_eos_id_none_stops_at_the_config_eos_and_empty_never_stops(hf_model):
     """As transformers' ``generate``: the stop ids default to the config's ``eos_token_id``."""
-    model, variables, torch_model = load(hf_checkpoint, "llama")
+    model, variables, torch_model = hf_model("llama")
     rows, stops = stopping_rows(model, variables)
     stopping = CausalLM(dataclasses.replace(model.config, eos_token_id=stops))
     default = lm.generate(stopping, variables, rows, max_new_tokens=NEW)
@@ -144,7 +127,7 @@ def test_eos_id_none_stops_at_the_config_eos_and_empty_never_stops(hf_checkpoint
     np.testing.assert_array_equal(never[:, : default.shape[1] - 1], default[:, :-1])
 
 
-def test_greedy_bf16_picks_transformers_argmax_up_to_a_rounding(hf_checkpoint):
+def test_greedy_bf16_picks_transformers_argmax_up_to_a_rounding(hf_model):
     """bfloat16: each greedy token is transformers' argmax, or within one bfloat16 step of it.
 
     In bfloat16 two logits a rounding step apart (1/128 near 1) are a tie that the libraries'
@@ -153,7 +136,7 @@ def test_greedy_bf16_picks_transformers_argmax_up_to_a_rounding(hf_checkpoint):
     step; float32 says lamina's pick). So the tokens are checked against transformers'
     bfloat16 logits of lamina's own sequence, and must be its argmax up to that step.
     """
-    model, variables, torch_model = load(hf_checkpoint, "llama_bf16")
+    model, variables, torch_model = hf_model("llama_bf16")
     rows = prompts(model.config.vocab_size)
     got = np.asarray(lm.generate(model, variables, rows, max_new_tokens=NEW, eos_id=2))
     mask = np.stack([np.ones(got.shape[1], np.int64), np.arange(got.shape[1]) >= 3])
@@ -175,8 +158,8 @@ def test_greedy_bf16_picks_transformers_argmax_up_to_a_rounding(hf_checkpoint):
     assert exact > 0.8  # mostly exact: a tie is the exception
 
 
-def test_one_prompt_in_one_out(hf_checkpoint):
-    model, variables, torch_model = load(hf_checkpoint, "llama")
+def test_one_prompt_in_one_out(hf_model):
+    model, variables, torch_model = hf_model("llama")
     row = prompts(model.config.vocab_size, 5)[0]
     expected = torch_generate(torch_model, [row], (2,))[0]
     got = lm.generate(model, variables, jnp.asarray(row), max_new_tokens=NEW, eos_id=2)
@@ -187,11 +170,11 @@ def test_one_prompt_in_one_out(hf_checkpoint):
     np.testing.assert_array_equal(np.asarray(batch), np.stack([expected, expected]))
 
 
-def test_a_padded_batch_with_its_mask_equals_transformers(hf_checkpoint):
+def test_a_padded_batch_with_its_mask_equals_transformers(hf_model):
     """A batch padded by the caller (a tokenizer's ``padding_side="left"``) with its mask:
     transformers' ``generate(attention_mask=...)`` tokens; the padding ids are kept as given
     and never read (other padding ids, the same new tokens)."""
-    model, variables, torch_model = load(hf_checkpoint, "llama")
+    model, variables, torch_model = hf_model("llama")
     rows = prompts(model.config.vocab_size)
     ids, mask = left_padded(rows, 5)
     expected = torch_generate(torch_model, rows, (2,), pad=5)
@@ -224,10 +207,10 @@ def lora_variables(lora, params, seed=0):
     return {"params": {**params, "layers": {"block": block}}}
 
 
-def test_a_lora_model_being_fine_tuned_generates_as_its_merged_model(hf_checkpoint):
+def test_a_lora_model_being_fine_tuned_generates_as_its_merged_model(hf_model):
     """LoRA on the attention's query and value projections, every other weight frozen (as
     when fine-tuning): no merge needed to generate, and the tokens are the merged model's."""
-    model, variables, torch_model = load(hf_checkpoint, "llama")
+    model, variables, torch_model = hf_model("llama")
     where = lm.Any(lm.PathContains("query"), lm.PathContains("value"))
     lora = lm.replace(model, lambda path, m: lm.LoRA(m, rank=2), where=where)
     lora = lm.freeze(lora, where=lm.Not(lm.LoRAParam))
@@ -245,18 +228,18 @@ def test_a_lora_model_being_fine_tuned_generates_as_its_merged_model(hf_checkpoi
     assert lora.decode_shape is None and lora.layers.block.attention.decode_shape is None
 
 
-def test_a_bfloat16_policy_generates_as_the_bfloat16_checkpoint(hf_checkpoint):
+def test_a_bfloat16_policy_generates_as_the_bfloat16_checkpoint(hf_model):
     """`lm.with_policy` (float32 storage, bfloat16 compute): the cache is bfloat16 and the
     tokens are those of the same weights stored in bfloat16 (casting float32 to bfloat16 where
     they are used rounds as storing them so)."""
-    model, variables, _ = load(hf_checkpoint, "llama")
+    model, variables, _ = hf_model("llama")
     half = lm.with_policy(model, lm.Policy("float32", "bfloat16"))
     cache = init_cache(half.with_cache(2, 15))["cache"]["layers"]["block"]["attention"]
     assert cache["cached_key"].dtype == jnp.bfloat16
     assert cache["cached_value"].dtype == jnp.bfloat16
     rows = prompts(model.config.vocab_size)
     got = lm.generate(half, variables, rows, max_new_tokens=NEW, eos_id=2)
-    bf16, bf16_variables, _ = load(hf_checkpoint, "llama_bf16")
+    bf16, bf16_variables, _ = hf_model("llama_bf16")
     expected = lm.generate(bf16, bf16_variables, rows, max_new_tokens=NEW, eos_id=2)
     np.testing.assert_array_equal(got, expected)
 
@@ -267,8 +250,8 @@ SAMPLING = dict(max_new_tokens=NEW, top_k=3)
 
 
 @pytest.fixture(scope="module")
-def sampler(hf_checkpoint):
-    return load(hf_checkpoint, "qwen3")
+def sampler(hf_model):
+    return hf_model("qwen3")
 
 
 def torch_last_logits(torch_model, out, length, padding):
@@ -511,11 +494,11 @@ def test_decoding_copies_are_dropped_with_their_programs(small, monkeypatch):
     model, variables = small
     model = copy.deepcopy(model)
     monkeypatch.setattr(generation, "_KEEP", 2)
-    for length in (1, 2, 3, 4):
+    for length in (1, 2, 3):  # three programs: the first is dropped, with its copy
         lm.generate(model, variables, list(range(1, 1 + length)), max_new_tokens=2)
     kept = generation._KEPT[id(model)][1]
     assert len(kept.programs) == 2
-    assert set(kept.decoders) == {(1, 5), (1, 6)}
+    assert set(kept.decoders) == {(1, 4), (1, 5)}
 
 
 def test_a_prompt_that_fills_the_positions_exactly_works(small):
@@ -598,10 +581,10 @@ def test_the_prefill_computes_the_last_logits_alone_and_no_overflow_check(small,
     assert greedy.shape == (2, 7)
 
 
-def test_indices_known_to_fit_still_leave_an_overflowing_cache_unchanged(small):
+def test_without_run_time_checks_still_leaves_an_overflowing_cache_unchanged(small):
     """The run-time error goes, not the guard: a step past max_length writes nothing and
     gives NaN."""
-    from lamina.nn.attention_decoding import indices_known_to_fit
+    from lamina._core.checks import without_run_time_checks
 
     model, variables = small
     decoder = model.with_cache(1, 3)
@@ -609,7 +592,7 @@ def test_indices_known_to_fit_still_leave_an_overflowing_cache_unchanged(small):
 
     @jax.jit
     def step(state, ids):
-        with indices_known_to_fit():
+        with without_run_time_checks():
             return apply(state, None, ids, decode=True)
 
     logits, state = jax.jit(apply, static_argnames="decode")(

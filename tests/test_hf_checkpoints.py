@@ -35,6 +35,8 @@ from lamina.models import (
 )
 from lamina.models.checkpoint_names import expected_variables
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 ROOT = pathlib.Path(__file__).parents[1]
 CASE_NAMES = [
     "llama",
@@ -96,16 +98,15 @@ def assert_matches_state_dict(config, variables, reference, *, exact=True):
 
 
 @pytest.fixture(scope="module")
-def loaded(hf_checkpoint):
-    """``name -> (folder, torch model, lamina model, variables)``, loaded once per case."""
-    cache = {}
+def loaded(hf_checkpoint, hf_model):
+    """``name -> (folder, torch model, lamina model, variables)``, loaded once per process
+    (lamina's reading shared with the other files through ``hf_model``; the torch model is
+    the one that wrote the folder, the bfloat16 case's cast with ``.to``)."""
 
     def get(name):
-        if name not in cache:
-            folder, torch_model = hf_checkpoint(name)
-            model, variables = from_pretrained(folder)
-            cache[name] = (folder, torch_model, model, variables)
-        return cache[name]
+        folder, torch_model = hf_checkpoint(name)
+        model, variables, _ = hf_model(name)
+        return folder, torch_model, model, variables
 
     return get
 
@@ -616,6 +617,7 @@ def test_shardings_on_eight_devices(hf_checkpoint):
         "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=8".strip(),
         "PYTHONPATH": str(ROOT),
         "JAX_PLATFORMS": "cpu",
+        "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",  # as pytest.mark.fast_compile (conftest.py)
     }
     result = subprocess.run(
         [sys.executable, __file__, str(folder)],

@@ -15,6 +15,8 @@ import lamina.nn
 from tests.helpers import assert_close
 from tests.layer_table import IDS, LAYERS, NOT_LAYERS, cast_inputs
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "layer_variables.json"
 F32 = (jnp.float32, None)
 

@@ -381,6 +381,28 @@ def test_checkpoint_static_argnums():
     assert_close(out, 3 * affine(jnp.ones(3), params))
 
 
+def test_checkpoint_writes_back_only_the_state_it_wrote():
+    # jax.checkpoint hands every value back as a new tracer: state only read inside must stay
+    # the leaf apply was given (lm.export's training-mode check relies on it)
+    def reads(m, x):
+        return lm.remat(lambda c, x: c.dense(x))(m.c, x)
+
+    def writes(m, x):
+        return lm.remat(lambda c, x: c(x))(m.c, x)
+
+    for body, written in ((reads, False), (writes, True)):
+        init, apply = lm.transform(Host(body, c=Counter()))
+        seen = []
+
+        def probe(variables, x, apply=apply, seen=seen):
+            _, new = apply(variables, None, x)
+            seen.append(new["counters"]["c"]["calls"] is not variables["counters"]["c"]["calls"])
+            return new
+
+        new = jax.eval_shape(probe, init(jax.random.key(0)), jnp.ones(3))
+        assert seen == [written] and new["counters"]["c"]["calls"].shape == ()
+
+
 @pytest.mark.parametrize("pred", [True, False])
 def test_cond_writes_state_from_the_branch_taken(pred):
     def body(m, x, p):

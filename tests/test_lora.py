@@ -11,6 +11,8 @@ import lamina as lm
 from lamina._core.errors import SettingTypeError
 from tests.helpers import abstract_init, assert_close, layout, normal
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 TOL = {"rtol": 1e-5, "atol": 1e-4}
 
 

@@ -29,6 +29,8 @@ from jax import lax
 import lamina as mx
 from tests.helpers import assert_close, layout, normal
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 RNG = np.random.default_rng(0)
 
 

@@ -18,12 +18,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import lamina as lm
-from lamina.models import CausalLM, ModelConfig, from_pretrained
+from lamina.models import CausalLM, ModelConfig
 from lamina.models.llama import DecoderBlock, init_cache
-from tests.hf_models import CASES
+from tests.hf_models import CASES, reference
 
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
 
 F32_CASES = [name for name in CASES if name != "llama_bf16"]
 
@@ -34,35 +35,7 @@ F32_CASES = [name for name in CASES if name != "llama_bf16"]
 # (|logits| < 2 here, a step of 2**-7). Two layers of such flips stay within 0.05.
 BF16_ATOL = 0.05
 
-_LOADED: dict[tuple[str, int], tuple[CausalLM, dict, object]] = {}
 _APPLY: dict[tuple, object] = {}
-
-
-def load(hf_checkpoint, name):
-    """`(model, variables, torch_model)` of case `name`, read once per session.
-
-    The torch model of the bfloat16 case is transformers' own reading of the folder:
-    the fixture's model was cast with ``.to(torch.bfloat16)``, which also rounds RoPE's
-    ``inv_freq`` buffer to bfloat16, where ``from_pretrained`` keeps it float32 (as lamina).
-    """
-    key = (name, id(hf_checkpoint))
-    if key not in _LOADED:
-        folder, torch_model = hf_checkpoint(name)
-        model, variables = from_pretrained(folder)
-        if name == "llama_bf16":
-            torch_model = reference(folder, torch.bfloat16)
-        _LOADED[key] = (model, variables, torch_model)
-    return _LOADED[key]
-
-
-def reference(folder, dtype):
-    """transformers' model read from `folder` in `dtype` (eager attention, eval mode)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, attn_implementation="eager"
-    )
-    return model.eval()
 
 
 def jitted_apply(model):
@@ -100,8 +73,8 @@ def assert_logits(got, expected, bf16=False):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_logits_equal_transformers(hf_checkpoint, name):
-    model, variables, torch_model = load(hf_checkpoint, name)
+def test_logits_equal_transformers(hf_model, name):
+    model, variables, torch_model = hf_model(name)
     ids = ids_for(model, (2, 12))  # 12 > Mistral's window of 4
     everything = jnp.ones((2, 12), bool)  # a mask: the program the padded tests reuse
     logits, _ = jitted_apply(model)(variables, None, jnp.asarray(ids), mask=everything)
@@ -110,14 +83,14 @@ def test_logits_equal_transformers(hf_checkpoint, name):
     assert_logits(logits, torch_logits(torch_model, ids), bf16)
 
 
-def test_bf16_error_is_transformers_own_rounding(hf_checkpoint):
+def test_bf16_error_is_transformers_own_rounding(hf_model, hf_checkpoint):
     """The bf16 tolerance, justified: lamina's bf16 logits are as far from the float32
     logits of the same weights as transformers' bf16 logits are (both are rounding), and
     in float32 the two libraries agree to float32 tolerance."""
-    model, variables, torch_bf16 = load(hf_checkpoint, "llama_bf16")
+    model, variables, torch_bf16 = hf_model("llama_bf16")
     folder, _ = hf_checkpoint("llama_bf16")
     ids = ids_for(model, (2, 12))
-    exact = torch_logits(reference(folder, torch.float32), ids)
+    exact = torch_logits(reference(folder, "float32"), ids)
     wide = CausalLM(model.config, param_dtype=jnp.float32)
     wide_variables = jax.tree.map(lambda a: a.astype(jnp.float32), variables)
     assert_logits(jitted_apply(wide)(wide_variables, None, jnp.asarray(ids))[0], exact)
@@ -127,8 +100,8 @@ def test_bf16_error_is_transformers_own_rounding(hf_checkpoint):
     assert 0 < ours < 2 * theirs < BF16_ATOL
 
 
-def test_left_padded_rows_equal_each_row_alone(hf_checkpoint):
-    model, variables, torch_model = load(hf_checkpoint, "mistral")  # window: slot coordinates
+def test_left_padded_rows_equal_each_row_alone(hf_model):
+    model, variables, torch_model = hf_model("mistral")  # window: slot coordinates
     apply = jitted_apply(model)
     long, short = ids_for(model, (12,), 1), ids_for(model, (7,), 2)
     ids = np.stack([long, np.concatenate([np.zeros(5, np.int64), short])])
@@ -146,8 +119,8 @@ def test_left_padded_rows_equal_each_row_alone(hf_checkpoint):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_stack_holds_every_layer(hf_checkpoint, name):
-    model, variables, _ = load(hf_checkpoint, name)
+def test_stack_holds_every_layer(hf_model, name):
+    model, variables, _ = hf_model(name)
     layers = variables["params"]["layers"]["block"]
     n = model.config.num_layers
     assert layers["attention"]["query"]["kernel"].shape == (n, 32, 4, 8)
@@ -189,8 +162,8 @@ CACHE_CASES = ["llama", "mistral", "llama_bf16"]
 
 
 @pytest.mark.parametrize("name", CACHE_CASES)
-def test_cache_prefill_then_steps_equal_the_full_forward(hf_checkpoint, name):
-    model, variables, torch_model = load(hf_checkpoint, name)
+def test_cache_prefill_then_steps_equal_the_full_forward(hf_model, name):
+    model, variables, torch_model = hf_model(name)
     ids, mask = padded_batch(model)
     full, _ = jitted_apply(model)(variables, None, jnp.asarray(ids), mask=jnp.asarray(mask))
     stepped, state = decode_in_steps(model, variables, ids, mask, prefill=7)
@@ -218,9 +191,9 @@ def test_cache_steps_eagerly(small):
     np.testing.assert_allclose(stepped[1, 2:], full[1, 2:], atol=2e-5, rtol=1e-4)
 
 
-def test_xla_attention_equals_the_plain_path(hf_checkpoint):
+def test_xla_attention_equals_the_plain_path(hf_model):
     """jax.nn.dot_product_attention's path, on Mistral: grouped heads, a window, padding."""
-    model, variables, _ = load(hf_checkpoint, "mistral")
+    model, variables, _ = hf_model("mistral")
     fused = CausalLM(model.config, param_dtype=model.param_dtype, implementation="xla")
     ids, mask = padded_batch(model)
     plain, _ = jitted_apply(model)(variables, None, jnp.asarray(ids), mask=jnp.asarray(mask))
@@ -232,8 +205,8 @@ def test_xla_attention_equals_the_plain_path(hf_checkpoint):
     np.testing.assert_allclose(stepped[1, 3:], plain[1, 3:], atol=2e-5, rtol=1e-4)
 
 
-def test_cache_layout_and_init_cache(hf_checkpoint):
-    model, variables, _ = load(hf_checkpoint, "llama")
+def test_cache_layout_and_init_cache(hf_model):
+    model, variables, _ = hf_model("llama")
     decoder = model.with_cache(3, 10)
     cache = init_cache(decoder)["cache"]
     assert cache["key_valid"].shape == (3, 10) and cache["key_valid"].dtype == jnp.bool_
@@ -245,7 +218,7 @@ def test_cache_layout_and_init_cache(hf_checkpoint):
     assert jax.tree.map(lambda a: (a.shape, a.dtype), cache) == jax.tree.map(
         lambda a: (a.shape, a.dtype), abstract
     )
-    bf16, _, _ = load(hf_checkpoint, "llama_bf16")
+    bf16, _, _ = hf_model("llama_bf16")
     bf16_cache = init_cache(bf16.with_cache(1, 4))["cache"]["layers"]["block"]["attention"]
     assert bf16_cache["cached_value"].dtype == jnp.bfloat16
 
@@ -401,20 +374,28 @@ def test_logical_axis_names_for_shardings():
 # --- logits_to_keep ----------------------------------------------------------------------
 
 
-def test_logits_to_keep_equals_the_last_positions_of_the_full_logits(hf_checkpoint):
+def test_logits_to_keep_equals_the_last_positions_of_the_full_logits(hf_model):
     """transformers' int ``logits_to_keep``: the full logits' last positions (None, 0 or
     more than the length: all), padded rows included; and transformers' own figures."""
-    model, variables, torch_model = load(hf_checkpoint, "llama")
+    model, variables, torch_model = hf_model("llama")
     ids, mask = padded_batch(model)
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
-    apply = jax.jit(lm.transform(model).apply, static_argnames=("logits_to_keep",))
-    full, _ = apply(variables, None, ids, mask=mask)
-    for keep, kept in [(1, 1), (5, 5), (12, 12), (40, 12), (0, 12), (None, 12)]:
-        got, _ = apply(variables, None, ids, mask=mask, logits_to_keep=keep)
-        assert got.shape == (2, kept, model.config.vocab_size)
-        np.testing.assert_allclose(got, full[:, 12 - kept :], atol=1e-6, rtol=1e-6)
     plain = ids_for(model, (2, 12), 5)
-    got, _ = apply(variables, None, jnp.asarray(plain), logits_to_keep=3)
+    keeps = [(1, 1), (5, 5), (12, 12), (40, 12), (0, 12), (None, 12)]
+    apply = lm.transform(model).apply
+
+    @jax.jit
+    def every_keep(variables, ids, mask, plain):
+        """One program for every value: under jit each call traces its own (Python int)
+        logits_to_keep, as a static argument does, and the shared forward is compiled once."""
+        kept = [apply(variables, None, ids, mask=mask, logits_to_keep=k)[0] for k, _ in keeps]
+        return kept, apply(variables, None, plain, logits_to_keep=3)[0]
+
+    full, _ = jitted_apply(model)(variables, None, ids, mask=mask)
+    every, got = every_keep(variables, ids, mask, jnp.asarray(plain))
+    for (keep, kept), got_kept in zip(keeps, every, strict=True):
+        assert got_kept.shape == (2, kept, model.config.vocab_size), keep
+        np.testing.assert_allclose(got_kept, full[:, 12 - kept :], atol=1e-6, rtol=1e-6)
     with torch.no_grad():
         expected = torch_model(torch.tensor(plain), logits_to_keep=3).logits.numpy()
     assert expected.shape == got.shape

@@ -16,12 +16,15 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from . import multiprocess_worker
 
 ROOT = pathlib.Path(__file__).parents[1]
 WORKER = ROOT / "tests" / "multiprocess_worker.py"
 TIMEOUT_SECONDS = 180
+# XLA's backend optimisations off here (tests/conftest.py) and in the workers alike
+pytestmark = pytest.mark.fast_compile
 
 
 def free_port() -> int:
@@ -34,6 +37,7 @@ def run_processes(count: int, folder: pathlib.Path) -> list[dict]:
     """Runs `count` workers; returns their JSON lines. Kills them all when one fails."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     env.pop("XLA_FLAGS", None)  # the worker sets its own device count
     logs = [(folder / f"{i}.out", folder / f"{i}.err") for i in range(count)]
     processes = []

@@ -29,6 +29,8 @@ from lamina import (
 from tests.helpers import assert_close, assert_close_complex, layout
 from tests.linen_helpers import linen_apply, linen_init
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 B, L, F = 2, 5, 6  # batch, length, features of the queries' input
 STD = {"num_heads": 3, "qkv_features": 12, "out_features": 4}  # head_dim 4
 

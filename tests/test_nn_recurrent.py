@@ -25,6 +25,8 @@ from lamina.nn.recurrent import flip_sequences
 from tests.helpers import abstract_init, assert_close, layout, normal
 from tests.linen_helpers import linen_apply
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 B, T, IN, HID = 3, 6, 3, 4
 CELLS = {"lstm": (LSTMCell, nn.LSTMCell), "gru": (GRUCell, nn.GRUCell)}
 

@@ -19,6 +19,8 @@ from lamina._core import casting
 from lamina._core.graph import Plan
 from tests.helpers import assert_close, normal
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 F32, BF16, F16 = np.dtype("float32"), np.dtype(jnp.bfloat16), np.dtype("float16")
 KEY = jax.random.key(0)
 

@@ -3,10 +3,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import lamina as lm
+
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
 
 shapes = st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple)
 leaves = st.one_of(

@@ -15,6 +15,8 @@ import pytest
 
 import lamina as lm
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LAYERS = {"input": "8x8x1", "conv1": "4x4x32", "conv2": "2x2x64", "fc1": "128"}

@@ -18,6 +18,8 @@ import pytest
 import lamina as lm
 from tests.seed_004_samples import SAMPLES
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 CODE = dict(SAMPLES)
 SEED = pathlib.Path(__file__).parents[2] / "shared" / "seeds" / "004_a6172f56ed72f6a5.txt"
 

@@ -10,6 +10,8 @@ from hypothesis import given
 import lamina as lm
 from tests.test_properties import build, specs
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 
 class SpecialParam(lm.Parameter):
     pass

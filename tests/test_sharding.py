@@ -35,6 +35,12 @@ def specs(model, rules=RULES, mesh=MESH):
     return {"/".join(k.key for k in path): sharding.spec for path, sharding in flat}
 
 
+# The subprocesses compile with XLA's backend optimisations off (as the marker
+# ``fast_compile`` does, tests/conftest.py): their time is compiling many small programs,
+# LLVM's passes are half of it, and the programs compute the same operations.
+FAST_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+
+
 def eight_device_env():
     flags = os.environ.get("XLA_FLAGS", "")
     return {
@@ -42,6 +48,7 @@ def eight_device_env():
         "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=8".strip(),
         "PYTHONPATH": str(ROOT),
         "JAX_PLATFORMS": "cpu",
+        **FAST_COMPILE,
     }
 
 
@@ -381,7 +388,7 @@ def test_sharded_training_example_end_to_end(tmp_path):
         *("--block-size", "8", "--batch-size", "4", "--iters", "30", "--eval-interval", "15"),
         *("--eval-batches", "1", "--warmup-iters", "5", "--lr", "1e-2", "--quiet"),
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **FAST_COMPILE}
     env.pop("XLA_FLAGS", None)
     script = str(ROOT / "examples" / "sharded_training.py")
     result = subprocess.run(

@@ -11,6 +11,8 @@ import lamina as lm
 from lamina._core.graph import Plan
 from tests.helpers import assert_close
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 
 def affine(x, kernel, bias):
     return x @ kernel + bias[None, :]

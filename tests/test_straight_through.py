@@ -11,6 +11,8 @@ import lamina as lm
 
 from .test_examples import EXAMPLES, check_saved, run_example
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 NETWORKS = ["unquantised", "quantised", "quantised, round's gradient"]
 
 

@@ -45,10 +45,12 @@ must fit; traced ones (``jax.jit(init)``, a Stack's copies) are cast, rounding a
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import numbers
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -142,6 +144,20 @@ def is_int(value: Any) -> bool:
 def is_real(value: Any) -> bool:
     """Whether `value` is a real number (Python's or NumPy's), and not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def is_dim(value: Any) -> bool:
+    """Whether `value` is an array dimension: an int >= 0, or a symbolic one.
+
+    `jax.export` traces with symbolic sizes (``b`` of ``batch_dims="b"``), which are not ints:
+    a check of shapes accepts them through this, and keeps them with `as_dim`.
+    """
+    return (is_int(value) and value >= 0) or jax.export.is_symbolic_dim(value)
+
+
+def as_dim(value: Any) -> Any:
+    """A dimension as shapes hold it: a Python int, or a symbolic dimension unchanged."""
+    return value if jax.export.is_symbolic_dim(value) else int(value)
 
 
 def is_concrete(x: Any) -> bool:
@@ -496,3 +512,43 @@ def _beyond(values: np.ndarray, target: np.dtype) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):  # what the cast breaks is the question
         cast = values.astype(target).astype(np.float64)
         return np.asarray(np.isfinite(values.astype(np.float64)) & ~np.isfinite(cast))
+
+
+# False while a caller traces a program that must not call the host (see below).
+_RUN_TIME_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "lamina_run_time_checks", default=True
+)
+
+
+@contextlib.contextmanager
+def without_run_time_checks() -> Iterator[None]:
+    """Programs traced inside leave out the layers' run-time checks that call the host.
+
+    A layer that can only check a traced value when the program runs (a decoding step's cache
+    index: `nn.attention_decoding.check_at_run_time`) puts a `lax.cond` calling the host
+    (`jax.debug.callback`) into the program. Two callers trace without it: `lm.generate`, which
+    made the cache and counts the steps itself (the check would cost a `cond` per layer and
+    step), and `lm.export`, whose artifacts cannot hold host callbacks. A concrete value is
+    still checked, and the layers' on-device guards stay (a step that does not fit, past
+    ``max_length`` or at a negative index, keeps the cached keys and values and gives NaN,
+    while ``cache_index`` still advances by the step's length): only the error from the host
+    goes. It acts while tracing, so enter it inside the function that `jax.jit` traces.
+
+    Example:
+        >>> from lamina._core.checks import run_time_checks_wanted, without_run_time_checks
+        >>> with without_run_time_checks():
+        ...     print(run_time_checks_wanted())
+        False
+        >>> run_time_checks_wanted()
+        True
+    """
+    token = _RUN_TIME_CHECKS.set(False)
+    try:
+        yield
+    finally:
+        _RUN_TIME_CHECKS.reset(token)
+
+
+def run_time_checks_wanted() -> bool:
+    """Whether a layer may put a host-calling run-time check into the traced program."""
+    return _RUN_TIME_CHECKS.get()

@@ -36,6 +36,25 @@ class CheckpointError(ValueError):
     """
 
 
+class ExportError(ValueError):
+    """A model that cannot be exported as asked (`lm.export`, `lm.export_onnx`).
+
+    Raised before anything is written: exporting in training mode (dropout drawing keys,
+    batch statistics updated) without ``allow_training=True``, an output container an
+    artifact cannot hold, an operation ONNX cannot express (naming the layer's path), a file
+    that is not an exported artifact (`lm.load_exported`).
+
+    Example:
+        >>> import jax.numpy as jnp, lamina as lm
+        >>> model = lm.Dropout(0.5)
+        >>> try:
+        ...     lm.export(model, {}, jnp.ones((2, 3)), True)  # is_training=True
+        ... except lm.ExportError as error:
+        ...     print("refused:", "training mode" in str(error))
+        refused: True
+    """
+
+
 class FrozenModuleError(AttributeError):
     """An attribute of a module was assigned while the module was being applied.
 

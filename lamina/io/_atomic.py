@@ -100,6 +100,49 @@ def _create_locked(folder: str, name: str) -> tuple[str, int]:
         os.close(fd)  # a cleaner took it between creation and lock: start again
 
 
+def check_target(path: object, where: str, *, writable: bool = True) -> str:
+    """`path` as a string, once it is known that `atomic_file` can write it (else `OSError`).
+
+    What a writer checks before it computes anything, so that a path that cannot be written
+    fails at once: `FileNotFoundError` (no such folder), `IsADirectoryError` (the path is a
+    folder), `PermissionError` (the folder is not writable, unless `writable` is False); each
+    message starts with `where` and names the path.
+
+    Args:
+        path: The target file (a ``str`` or ``os.PathLike``).
+        where: The caller's name, for messages (``"lm.save"``).
+        writable: Also check that the folder is writable (a caller that reports a failed
+            write itself, as `lm.save`'s `CheckpointError`, passes False).
+
+    Returns:
+        The path as a string.
+
+    Example:
+        >>> import tempfile
+        >>> from lamina.io._atomic import check_target
+        >>> folder = tempfile.mkdtemp()
+        >>> check_target(folder, "lm.save")
+        Traceback (most recent call last):
+        IsADirectoryError: lm.save: ... is a folder; give a file name inside it
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{where}: path must be a file path (str), got {type(path).__name__}.")
+    path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(f"{where}: path must be a file path (str), got bytes {path!r}.")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{where}: {path} is a folder; give a file name inside it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(
+            f"{where}: the folder {folder} does not exist (create it first); nothing was "
+            f"written to {path}"
+        )
+    if writable and not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(f"{where}: the folder {folder} is not writable; nothing was written")
+    return path
+
+
 @contextlib.contextmanager
 def atomic_file(path: str) -> Iterator[IO[bytes]]:
     """Opens a temporary file that replaces `path` when the block ends without an exception.

@@ -21,7 +21,7 @@ import numpy as np
 from .._core.errors import CheckpointError, VariablesError
 from .._core.graph import FlatKey
 from .._core.types import Shape
-from ._atomic import atomic_file, pread, pwrite_all, reserve
+from ._atomic import atomic_file, check_target, pread, pwrite_all, reserve
 from ._format import (
     CHECKSUMS_KEY,
     CODES,
@@ -72,6 +72,7 @@ def save(path: PathLike, variables: Any, *, metadata: Mapping[str, str] | None =
             or deleted array, or an array other processes hold shards of; every problem is
             listed, by path.
         FileNotFoundError: If the folder does not exist.
+        IsADirectoryError: If `path` is a folder.
         CheckpointError: If the file cannot be written (a full disk, a quota, a file-size
             limit, no permission): the message names the file and the bytes it needs; the old
             file is untouched and no temporary file is left.
@@ -113,11 +114,7 @@ def save(path: PathLike, variables: Any, *, metadata: Mapping[str, str] | None =
             f"{MAX_HEADER_BYTES} that safetensors readers accept; nothing was written. Save "
             f"the collections to separate files."
         )
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"lm.save: the folder {folder} does not exist (create it first)")
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"lm.save: {path} is a folder; give a file name")
+    path = check_target(path, "lm.save", writable=False)  # no permission: CheckpointError
     by_name = {"/".join(key): leaf for key, leaf in leaves.items()}
     size = len(header) + (infos[-1].end if infos else 0)
     try:

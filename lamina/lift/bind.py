@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._core.checks import format_path
+from .._core.checks import as_dim, format_path
 from .._core.frame import Frame, current_frame
 from .._core.graph import Plan
 from .._core.module import Module
@@ -50,6 +50,9 @@ class Binding:
     forked: dict[str, Any]  # stream -> key (split streams: n keys once `split_keys` ran)
     split: frozenset[str]
     stacked_inside: list[int]  # per slot: the stacked axes each iteration still sees
+    # The slots some run of the function wrote (its inner value is no longer the one it was
+    # given); `store` writes back only these, as a transform may hand back every value anew.
+    written: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def plan(self) -> Plan:
@@ -480,7 +483,7 @@ def mapped_size(
     for slot in binding.slots:
         axis = binding.slot_axis[slot]
         if is_scanned(axis):
-            sizes.append((int(shapes[slot][axis]), slot, axis))
+            sizes.append((as_dim(shapes[slot][axis]), slot, axis))
     size = given if given is not None else (sizes[0][0] if sizes else None)
     if all(n == size for n, _, _ in sizes):
         return size
@@ -514,7 +517,7 @@ def _array_sizes(
                 f"of shape {tuple(shape)}, which has no axis {axis}: give an axis in "
                 f"[{-len(shape)}, {len(shape)}), or None to broadcast it."
             )
-        sizes.append((int(shape[axis]), index, axis))
+        sizes.append((as_dim(shape[axis]), index, axis))
     return sizes
 
 
@@ -537,7 +540,13 @@ def array_leaves(binding: Binding) -> tuple[list[Any], list[Any]]:
 
 
 def store(binding: Binding, new_values: Mapping[int, Any]) -> None:
-    """Writes state that came out of a transform into the outer frame."""
+    """Writes state that came out of a transform into the outer frame.
+
+    Only the slots the function wrote (`Binding.written`): a transform such as
+    ``jax.checkpoint`` hands every value back as a new array, and a slot it merely passed
+    through must stay the outer frame's own value (unwritten, as `apply` reports it).
+    """
     values = binding.frame.values
     for slot, value in new_values.items():
-        values[slot] = value
+        if slot in binding.written:
+            values[slot] = value

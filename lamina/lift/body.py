@@ -147,6 +147,7 @@ class Body:
         with frame:
             out = (fn or self.fn)(*extra, *args, **self.kwargs)
             out = jax.tree_util.tree_map(self._slot_for, out, is_leaf=self._is_argument)
+        binding.written.update(s for s, given in slot_values.items() if values[s] is not given)
         return out, {s: values[s] for s in slot_values}
 
     def _nested_records(self, records_in: Mapping[str, Mapping[tuple, Any]] | None) -> Any:

@@ -3,7 +3,7 @@
 One `jax.jit` holds the prefill and a `jax.lax.while_loop` over the new tokens, on a cache
 sized ``prompt length + max_new_tokens`` (`CausalLM.with_cache`). The prefill computes the
 logits of the prompt's last position alone (``logits_to_keep=1``, as transformers), and the
-program leaves out the layers' run-time overflow checks (`indices_known_to_fit`): no step can
+program leaves out the layers' run-time overflow checks (`without_run_time_checks`): no step can
 pass the end of a cache of that size. The decoding copy of a model and its compiled programs
 are kept with the model object (weakly: they go when it goes), per static shapes (batch,
 prompt length, ``max_new_tokens``, ``top_k``, greedy or sampling, top-p on or off; up to 8
@@ -25,10 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._core.checks import is_int, is_real
+from .._core.checks import is_int, is_real, without_run_time_checks
 from .._core.module import Module
 from .._core.transform import transform
-from ..nn.attention_decoding import indices_known_to_fit
 from .llama import CausalLM, init_cache
 from .sampling import sample
 
@@ -287,7 +286,7 @@ def _compile(
         # the prefill: no step can overflow it, so the layers' run-time checks are left out.
         # The prefill computes the logits of the last position alone (the output layer is
         # most of a long prompt's work).
-        with indices_known_to_fit():
+        with without_run_time_checks():
             logits, state = apply(
                 {**params, **init_cache(decoder)},
                 None,
@@ -307,7 +306,7 @@ def _compile(
 
         def body(carry: tuple) -> tuple:
             step, cache, token, finished, out = carry
-            with indices_known_to_fit():
+            with without_run_time_checks():
                 logits, state = apply({**params, "cache": cache}, None, token[:, None], decode=True)
             token = choose(logits[:, 0], step, options)
             token = jnp.where(finished, pad, token)

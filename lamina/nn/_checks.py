@@ -19,11 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._core.checks import as_dim as as_dim
 from .._core.checks import as_dtype as as_dtype
 from .._core.checks import flag as flag
 from .._core.checks import flags as flags
 from .._core.checks import function as function
 from .._core.checks import is_concrete as is_concrete
+from .._core.checks import is_dim as is_dim
 from .._core.checks import is_int as is_int
 from .._core.checks import is_real as is_real
 from .._core.checks import non_negative as non_negative
@@ -151,6 +153,21 @@ def sharding(where: str, name: str, value: Any, ndim: int) -> tuple[str | None, 
             f"variable, got {len(names)}: {value!r}."
         )
     return names
+
+
+def broadcasts_to(shape: Sequence[Any], target: Sequence[Any]) -> bool:
+    """Whether an array of `shape` broadcasts to exactly `target` (size-1 or equal axes).
+
+    Either shape may hold symbolic dimensions (`jax.export`'s ``b``), which NumPy's
+    `np.broadcast_shapes` refuses; `jnp.broadcast_shapes` accepts them.
+    """
+    target = tuple(target)
+    if len(shape) > len(target):
+        return False
+    try:
+        return tuple(jnp.broadcast_shapes(tuple(shape), target)) == target
+    except ValueError:
+        return False
 
 
 def _ints(value: Any) -> tuple[int, ...] | None:

@@ -2,17 +2,15 @@
 
 `cache_and_mask` writes a step's keys and values at ``cache_index`` and builds the mask of
 the positions each query may attend to; `check_at_run_time` refuses, when the program runs, a
-traced step that would go past ``max_length`` (`indices_known_to_fit` lets a caller that sized
-the cache itself leave that check out); `dtype_kind` orders the kinds of dtypes that a cache
-may hold.
+traced step that would go past ``max_length`` (`_core.checks.without_run_time_checks` lets a
+caller that sized the cache itself leave that check out); `dtype_kind` orders the kinds of
+dtypes that a cache may hold.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._core.checks import check_cast
+from .._core.checks import check_cast, run_time_checks_wanted
 from .._core.types import Dtype
 from . import _checks, _dtypes
 
@@ -102,31 +100,6 @@ def dtype_kind(dtype: Dtype) -> int:
     """0 bool, 1 integer, 2 float, 3 complex: a cast to a lower kind loses a part."""
     kinds = (jnp.complexfloating, jnp.floating, jnp.integer)
     return next((3 - i for i, kind in enumerate(kinds) if jnp.issubdtype(dtype, kind)), 0)
-
-
-# True while a caller traces decoding steps whose cache indices it knows to fit.
-_KNOWN_TO_FIT: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "lamina_indices_known_to_fit", default=False
-)
-
-
-@contextlib.contextmanager
-def indices_known_to_fit() -> Iterator[None]:
-    """Decoding steps traced inside leave out the run-time overflow check of a traced index.
-
-    For a caller that made the cache and counts the steps itself, so that no step can pass
-    ``max_length`` (`lm.generate`: a cache of prompt length + ``max_new_tokens``, and a loop
-    of that many steps). Each layer's `check_at_run_time` is a `lax.cond` per layer and
-    step; inside a decoding loop it is measurable. A concrete index is still checked, and
-    a step that does not fit still leaves the cache unchanged and gives NaN (`cache_and_mask`'s
-    ``fits``): only the error from the host goes. It acts while tracing, so enter it inside
-    the function that `jax.jit` traces.
-    """
-    token = _KNOWN_TO_FIT.set(True)
-    try:
-        yield
-    finally:
-        _KNOWN_TO_FIT.reset(token)
 
 
 def check_at_run_time(
@@ -245,6 +218,6 @@ def check_decoding_step(
     if not isinstance(index, jax.core.Tracer):
         if not 0 <= int(index) <= max_length - q_len:
             raise ValueError(overflow(int(index)))
-    elif not _KNOWN_TO_FIT.get():
+    elif run_time_checks_wanted():
         check_at_run_time(index, q_len, max_length, overflow)
     return index

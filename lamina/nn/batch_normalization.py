@@ -7,6 +7,7 @@ the normalisation are those of the other normalisation layers (`lamina.nn.normal
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -272,9 +273,12 @@ class BatchNorm(Normalization):
         under `jax.jit`): the product of the reduced axes' sizes, or with a concrete `mask`
         its fewest True entries over the features (a traced mask is not counted), times the
         size of the mapped axis the statistics are averaged over (`axis_name`; its group's
-        size with `axis_index_groups`), which is static.
+        size with `axis_index_groups`), which is static. A symbolic size (`jax.export`'s
+        ``b``) is not known while tracing: that count is not checked.
         """
-        per_member = int(np.prod([shape[a] for a in reduction], dtype=np.int64))
+        if not all(_checks.is_int(n) for n in shape):
+            return
+        per_member = math.prod(shape[a] for a in reduction)
         masked = mask is not None and not isinstance(mask, jax.core.Tracer) and per_member > 0
         if masked:
             selected = np.broadcast_to(np.asarray(mask), shape).sum(axis=reduction)

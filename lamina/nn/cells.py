@@ -82,21 +82,24 @@ class StepKernel:
         return self.fn(carry, x, weights, **dict(self.settings))
 
 
-def checked_batch_shape(cls: str, batch_shape: Any) -> tuple[int, ...]:
-    """`batch_shape` of `cls.initialize_carry` as a tuple of ints; `TypeError` if it is none."""
-    if _checks.is_int(batch_shape):
+def checked_batch_shape(cls: str, batch_shape: Any) -> tuple[Any, ...]:
+    """`batch_shape` of `cls.initialize_carry` as a tuple of dims; `TypeError` if it is none.
+
+    A dim is an int >= 0 or a symbolic one (`jax.export`'s ``b``), kept as it is.
+    """
+    if _checks.is_dim(batch_shape):
         batch_shape = (batch_shape,)
     try:
         dims = tuple(batch_shape)
     except TypeError:
         dims = None
-    if dims is None or not all(_checks.is_int(d) and d >= 0 for d in dims):
+    if dims is None or not all(_checks.is_dim(d) for d in dims):
         raise TypeError(
             f"{cls}.initialize_carry takes the batch shape (a tuple of non-negative ints, "
             f"without the feature axis), got {batch_shape!r}; e.g. initialize_carry((32,)) "
             f"for inputs of shape (32, in_size)."
         )
-    return tuple(int(d) for d in dims)
+    return tuple(_checks.as_dim(d) for d in dims)
 
 
 def tree_shapes(tree: Any) -> Any:

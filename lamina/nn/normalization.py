@@ -338,11 +338,7 @@ def check_mask(where: Callable[[], str], mask: Any, shape: tuple[int, ...]) -> j
             f"entry counts in the statistics. Pass mask.astype(bool) or a comparison such as "
             f"x != pad."
         )
-    try:
-        fits = np.broadcast_shapes(mask.shape, shape) == shape
-    except ValueError:
-        fits = False
-    if not fits:
+    if not _checks.broadcasts_to(mask.shape, shape):
         raise ValueError(
             f"{where()} got a mask of shape {mask.shape} for an input of shape {shape}: the "
             f"mask must broadcast to the input (size-1 or equal axes, aligned at the end). "

@@ -316,11 +316,7 @@ def _check_inputs(
             f"{x.shape}). Compute the frequencies for this head_dim."
         )
     lead = x.shape[:-2]
-    try:
-        fits = positions.ndim <= len(lead) and np.broadcast_shapes(positions.shape, lead) == lead
-    except ValueError:
-        fits = False
-    if not fits:
+    if not _checks.broadcasts_to(positions.shape, lead):
         raise ValueError(
             f"{where}: positions of shape {positions.shape} do not fit x of shape {x.shape}: "
             f"they must be (*batch, length) = {lead} or broadcast to it, e.g. (length,) = "

@@ -27,6 +27,7 @@ from tests.layer_table import (
     recurrent,
 )
 from tests.layer_table.case import Function, LayerCase, args, carry, d, ids, normal
+from tests.layer_table.inference_form import InferenceForm, build_inference_form, drawn
 
 __all__ = [
     "BY_NAME",
@@ -34,11 +35,14 @@ __all__ = [
     "LAYERS",
     "NOT_LAYERS",
     "Function",
+    "InferenceForm",
     "LayerCase",
     "args",
+    "build_inference_form",
     "carry",
     "cast_inputs",
     "d",
+    "drawn",
     "ids",
     "normal",
 ]
