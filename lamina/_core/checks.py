@@ -86,6 +86,21 @@ def format_list(items: Iterable[str], limit: int = 8) -> str:
     return shown
 
 
+def format_problems(groups: Iterable[tuple[str, Sequence[str], int]]) -> list[str]:
+    """One line per non-empty group, ``label (count): items``, at most `limit` items shown.
+
+    Example:
+        >>> from lamina._core.checks import format_problems
+        >>> format_problems([("missing", ["a", "b", "c"], 2), ("unexpected", [], 8)])
+        ['missing (3): a, b, ... and 1 more']
+    """
+    return [
+        f"{label} ({len(items)}): {format_list(items, limit=limit)}"
+        for label, items, limit in groups
+        if items
+    ]
+
+
 # --- flags ------------------------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import safetensors
 
-from .._core.checks import flags, format_list
+from .._core.checks import flags, format_list, format_problems
 from .._core.errors import CheckpointError, VariablesError
 from .._core.graph import FlatKey, Plan
 from .._core.layout import check_variables, nest
@@ -238,16 +238,14 @@ class _Target:
                         f"{name}: expected {np.dtype(leaf.dtype).name}, got "
                         f"{got.name if got is not None else info.code}"
                     )
-        problems = [
-            f"{label} ({len(items)}): {format_list(items, limit=limit)}"
-            for label, items, limit in [
+        problems = format_problems(
+            [
                 ("missing", missing, 8),
                 ("unexpected", unexpected, 8),
                 ("wrong shape", shapes, 5),
                 ("wrong dtype", kinds, 5),
             ]
-            if items
-        ]
+        )
         if problems:
             raise VariablesError(
                 f"lm.load of {path} got arrays that do not match like=:\n  "

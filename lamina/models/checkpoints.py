@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors
 
-from .._core.checks import format_list
+from .._core.checks import format_list, format_problems
 from .._core.errors import CheckpointError, VariablesError
 from .._core.layout import nest
 from .._core.transform import transform
@@ -197,16 +197,14 @@ def _check_headers(
             dtype = DTYPES.get(info.code)
             if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
                 kinds.append(f"{name}: {info.code}")
-    problems = [
-        f"{label} ({len(items)}): {format_list(sorted(items), limit=limit)}"
-        for label, items, limit in [
-            ("missing", missing, 8),
-            ("unexpected", unexpected, 8),
-            ("wrong shape", shapes, 6),
-            ("not floating point", kinds, 6),
+    problems = format_problems(
+        [
+            ("missing", sorted(missing), 8),
+            ("unexpected", sorted(unexpected), 8),
+            ("wrong shape", sorted(shapes), 6),
+            ("not floating point", sorted(kinds), 6),
         ]
-        if items
-    ]
+    )
     if problems:
         raise CheckpointError(
             f"{folder} does not hold the tensors its config.json describes (a "

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 
-from .._core.checks import format_list
+from .._core.checks import format_problems
 from .._core.errors import VariablesError
 from .checkpoint_names import INDEX, WEIGHTS, Variable, expected_variables
 from .config import ModelConfig
@@ -112,16 +112,14 @@ def _check_variables(
         for k, a in flat.items()
         if k in expected and not jnp.issubdtype(a.dtype, jnp.floating)
     ]
-    problems = [
-        f"{label} ({len(items)}): {format_list(sorted(items))}"
-        for label, items in [
-            ("missing", missing),
-            ("unexpected", unexpected),
-            ("wrong shape", shapes),
-            ("not floating point", kinds),
+    problems = format_problems(
+        [
+            ("missing", sorted(missing), 8),
+            ("unexpected", sorted(unexpected), 8),
+            ("wrong shape", sorted(shapes), 8),
+            ("not floating point", sorted(kinds), 8),
         ]
-        if items
-    ]
+    )
     if problems:
         lora = any("lora" in name for name in unexpected)
         raise VariablesError(
