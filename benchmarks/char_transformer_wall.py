@@ -6,20 +6,24 @@ Each round runs `benchmarks/nanogpt_torch.py` and ``examples/char_transformer.py
 --sample-chars 0`` (nanoGPT's ``train.py`` writes no sample; ``--sample`` keeps the
 example's 500 characters) one after the other, in alternating order, each as its own process
 timed from start to exit; the table gives every round's seconds and validation losses, and
-the ratio of the medians. The machine's speed drifts (other tenants, thermal limits): only
-figures taken in the same run compare.
+the ratio of the medians, with the versions (torch's and its thread count as nanoGPT's script
+prints them, jax's), the CPU model and the load average. The machine's speed drifts (other
+tenants, thermal limits): only figures taken in the same run compare.
 
     python benchmarks/char_transformer_wall.py                    # 2 rounds, about 9 minutes
     python benchmarks/char_transformer_wall.py --rounds 3 --torch-python /path/to/python
 
 PyTorch is not a lamina dependency: `--torch-python` names an interpreter that has it
-(default: this one); ``pip install torch==2.13.0`` takes a CPU build.
+(default: this one); ``pip install torch==2.15.0`` (PyPI's Linux wheel is the CUDA build, which
+runs on the CPU; ``--index-url https://download.pytorch.org/whl/cpu`` gives the CPU-only wheel).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
+import platform
 import re
 import statistics
 import subprocess
@@ -40,6 +44,30 @@ def run(command: list[str]) -> tuple[float, float, str]:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     losses = re.findall(r"val loss: (\d+\.\d+)", done.stdout)
     return seconds, float(losses[-1]), done.stdout
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, else `platform.processor()`."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as file:
+            for line in file:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def version(package: str) -> str:
+    """`package`'s installed version in this Python, or "not installed"."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def load_average() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main():
@@ -77,18 +105,38 @@ def main():
     }
     names = list(commands)
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
-    print(f"{'round':>5}  {'contestant':<20} {'seconds':>8} {'val loss':>9}  load average")
+    versions = {names[0]: "torch ?", names[1]: f"jax {version('jax')}"}
+    print(
+        f"{os.cpu_count()} CPUs: {cpu_model()}; jax {version('jax')} (lamina's Python); "
+        f"load average {load_average()} at the start"
+    )
+    print(
+        f"{'round':>5}  {'contestant':<20} {'seconds':>8} {'val loss':>9}  "
+        f"{'load average':<18}  versions"
+    )
     for round_ in range(args.rounds):
         for name in names if round_ % 2 == 0 else reversed(names):
-            seconds, loss, _ = run(commands[name])
+            seconds, loss, output = run(commands[name])
             results[name].append((seconds, loss))
-            load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-            print(f"{round_ + 1:>5}  {name:<20} {seconds:8.1f} {loss:9.4f}  {load}", flush=True)
+            torch_line = re.search(r"^(torch \S+, \d+ threads)", output, re.MULTILINE)
+            if torch_line:
+                versions[name] = torch_line.group(1)
+            print(
+                f"{round_ + 1:>5}  {name:<20} {seconds:8.1f} {loss:9.4f}  {load_average():<18}  "
+                f"{versions[name]}",
+                flush=True,
+            )
     medians = {name: statistics.median(s for s, _ in rows) for name, rows in results.items()}
     reference = medians[names[0]]
-    print("\nmedian wall time (start-up to exit), and against nanoGPT:")
+    print(
+        f"\nmedian wall time (start-up to exit), and against nanoGPT ({cpu_model()}, "
+        f"load average {load_average()} at the end):"
+    )
     for name in names:
-        print(f"  {name:<20} {medians[name]:7.1f} s   {medians[name] / reference:5.2f}x")
+        print(
+            f"  {name:<20} {medians[name]:7.1f} s   {medians[name] / reference:5.2f}x"
+            f"   {versions[name]}"
+        )
 
 
 if __name__ == "__main__":

@@ -149,3 +149,42 @@ def test_smoke_run_llm(tmp_path):
     assert decode["tokens_per_second"]["transformers"] > 0
     assert set(decode["token_agreement_with_raw_jax"]) == {"lamina", "transformers"}
     assert (tmp_path / "depth.png").is_file()
+
+
+def script(*args: str) -> str:
+    """Runs a script of benchmarks/ with XLA's optimisations off (as `smoke`: structure only)."""
+    done = subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_char_transformer_profile_and_the_operations_against_torch(tmp_path):
+    """The scripts that take the char transformer's step apart run and report every part: the
+    profile's tables (tiny model) sum the thunks they found, the operation race has a row
+    per operation with a positive ratio. Their figures are not checked."""
+    profile = tmp_path / "profile.json"
+    tiny = ["--layers", "1", "--heads", "2", "--width", "16", "--block-size", "8", "--batch-size"]
+    options = ["--steps", "2", "--top", "3", "--json", str(profile), "--show", "LayerNorm"]
+    out = script("benchmarks/char_transformer_profile.py", *options, *tiny, "4")
+    table = json.loads(profile.read_text())
+    assert table["step_ms"] > 0 and table["thunks_ms"] > 0
+    assert math.isclose(sum(table["layer"].values()), table["thunks_ms"], rel_tol=1e-6)
+    assert math.isclose(sum(table["phase"].values()), table["thunks_ms"], rel_tol=1e-6)
+    assert {"LayerNorm", "MLP: the two Dense layers"} <= set(table["layer"])
+    assert {"forward", "backward"} <= set(table["phase"])
+    assert "thunks of rows containing 'LayerNorm'" in out
+    lines = script("benchmarks/ops_vs_torch.py", "--rounds", "1", "--calls", "2").splitlines()
+    rows = lines[lines.index(next(x for x in lines if x.startswith("operation"))) + 1 : -1]
+    assert len(rows) == 8 and lines[-1].startswith("load average after"), lines
+    for row in rows:  # name, JAX us, torch us, JAX/torch[, GFLOP/s]
+        numbers = [float(x) for x in row.split() if x.replace(".", "", 1).isdigit()][-4:]
+        jax_us, torch_us, ratio = numbers[:3] if len(numbers) == 4 else numbers[-3:]
+        assert jax_us > 0 and torch_us > 0  # the ratio is printed to two decimals:
+        assert math.isclose(ratio, jax_us / torch_us, rel_tol=0.05, abs_tol=0.006), row

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -39,7 +40,7 @@ def tiny_args(example, *extra):
     )
 
 
-def test_cached_decoding_writes_what_full_recomputation_writes(example):
+def tiny_model(example):
     args = tiny_args(example)
     chars = "".join(sorted(set(TEXT)))
     data = example.Text("tiny", chars, np.zeros(0, np.int32), np.zeros(0, np.int32))
@@ -51,13 +52,34 @@ def test_cached_decoding_writes_what_full_recomputation_writes(example):
     params = jax.tree.map(
         lambda x: np.asarray(x) + noise.normal(size=x.shape).astype(x.dtype), params
     )
+    return args, data, params
+
+
+def test_cached_decoding_writes_what_full_recomputation_writes(example):
+    args, data, params = tiny_model(example)
     key = jax.random.key(2)
-    # 30 characters, context 8: the window moves on to its last 4 characters 6 times (a
-    # prompt of 4 characters: the cached decoding compiles two programs, not three)
+    # 30 characters, context 8: the window moves on to its last 4 characters 6 times, and
+    # the cached decoding reads a prompt of 4 characters into its cache first
     cached = example.sample(args, data, params, key, 30, 0.0, prompt="Spea")
     recomputed = example.sample(args, data, params, key, 30, 0.0, prompt="Spea", use_cache=False)
     assert len(cached) == 30 and len(set(cached)) >= 3
     assert cached == recomputed
+    assert example.sample(args, data, params, key, 0, 0.0) == ""
+    for use_cache in (True, False):
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            example.sample(args, data, params, key, 5, 0.0, prompt="", use_cache=use_cache)
+
+
+def test_sampling_draws_what_full_recomputation_draws_with_the_same_key(example):
+    # both draw the i-th character with categorical(fold_in(key, i), logits / temperature)
+    args, data, params = tiny_model(example)
+    key, other = jax.random.key(3), jax.random.key(4)
+    cached = example.sample(args, data, params, key, 30, 1.0, prompt="\n")
+    recomputed = example.sample(args, data, params, key, 30, 1.0, prompt="\n", use_cache=False)
+    assert len(cached) == 30 and set(cached) <= set(data.chars)
+    assert cached == recomputed
+    assert example.sample(args, data, params, key, 30, 1.0, prompt="\n") == cached
+    assert example.sample(args, data, params, other, 30, 1.0, prompt="\n") != cached
 
 
 @pytest.mark.slow
@@ -145,6 +167,33 @@ def test_splitting_the_batch_across_cpu_cores_gives_the_numbers_of_one_device(tm
     )
     assert too_many.returncode != 0
     assert "--devices 3 does not divide --batch-size 4" in too_many.stderr
+
+
+def test_training_keeps_a_bounded_number_of_steps_queued(example):
+    """JAX dispatches steps ahead of the devices; with several CPU devices XLA:CPU deadlocks
+    in the all-reduce when more than about 32 steps are queued (jaxlib 0.10), so `fit`
+    waits for the step `IN_FLIGHT` back, whatever --log-interval says."""
+    slow = jax.jit(lambda x: jax.lax.fori_loop(0, 200, lambda _, y: jnp.tanh(y @ y), x))
+    x = jnp.eye(96) * 0.5
+    queued = []
+
+    def train_step(params, opt_state, inputs, targets, key, step):
+        queued.append(sum(not loss.is_ready() for loss in returned))
+        loss = slow(x)[0, 0]
+        returned.append(loss)
+        return params, opt_state, loss
+
+    class Batches:
+        def next(self):
+            return None, None
+
+    returned = []
+    args = tiny_args(example, "--iters", "60", "--eval-interval", "1000", "--log-interval", "1000")
+    args.quiet = True
+    example.fit(args, (None, None), train_step, lambda *a: 0.0, Batches(), (), None)
+    assert len(queued) == 60
+    assert max(queued) <= example.IN_FLIGHT
+    assert max(queued) >= example.IN_FLIGHT // 2  # the host does run ahead
 
 
 def _dot_dtypes(jaxpr) -> list[str]:
