@@ -64,13 +64,18 @@ LAYERS = (  # op_name fragment -> row; the first that matches names the row
 # What no layer names: the loss (optax's cross-entropy has no jit of its own), the residual
 # additions, the Stack's per-layer slices of its weights, gradient clipping and AdamW.
 REST = "the rest: cross-entropy, residuals, Stack slices, clipping, AdamW"
+# With several devices: the gradients' sum across them, including the wait for the slower
+# (their -start/-done forms too).
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
+COLLECTIVE = "all-reduce across devices (with the wait for the other)"
 
 
 def instruction_metadata(hlo_text: str) -> dict[str, tuple[str, str]]:
     """Maps each instruction of the compiled program to (kind, op_name)."""
     table = {}
     for line in hlo_text.splitlines():
-        match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) (\w[\w-]*)\(", line)
+        # The type is one word, or a tuple in parentheses (all-reduce, multi-output fusions).
+        match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\(.*?\)|\S+) ([a-z][\w-]*)\(", line)
         if not match:
             continue
         name, _, opcode = match.groups()
@@ -92,7 +97,9 @@ def instruction_metadata(hlo_text: str) -> dict[str, tuple[str, str]]:
     return table
 
 
-def layer_of(op_name: str) -> str:
+def layer_of(kind: str, op_name: str) -> str:
+    if kind.startswith(COLLECTIVES):  # their op_name is the sum's, in the backward pass
+        return COLLECTIVE
     for fragment, row in LAYERS:
         if fragment in op_name:
             return row
@@ -150,6 +157,7 @@ def main():
     )
     options, rest = parser.parse_known_args()
     example.cpu_cores_as_devices()
+    example.keep_freed_memory()  # the example's malloc settings
     data = str(DEFAULT_DATA) if DEFAULT_DATA.is_file() else None
     args = example.parse_args([*(["--data", data] if data else []), *rest, "--quiet"])
     args.devices = options.devices
@@ -222,7 +230,7 @@ def main():
     rows["kind"] = collections.Counter()
     for name, ms in by_name.items():
         kind, op_name = table[name]
-        rows["layer"][layer_of(op_name)] += ms
+        rows["layer"][layer_of(kind, op_name)] += ms
         rows["phase"][phase_of(op_name)] += ms
         rows["kind"][kind] += ms
     total = sum(by_name.values())
@@ -250,7 +258,7 @@ def main():
         print(f"\nthunks of rows containing {wanted!r}")
         for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1]):
             kind, op_name = table[name]
-            if wanted in layer_of(op_name):
+            if wanted in layer_of(kind, op_name):
                 print(f"  {name:<42} {ms:8.3f}  {kind}, {op_name[-90:]}")
     if options.json:
         Path(options.json).write_text(

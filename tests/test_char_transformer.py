@@ -2,6 +2,7 @@
 
 import importlib
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -228,3 +229,37 @@ def test_bfloat16_precision_computes_the_blocks_in_bfloat16_from_float32_paramet
     # the same parameters, a float32 model: the logits agree to bfloat16's precision
     reference, _ = lm.transform(full).apply(variables, None, ids)
     np.testing.assert_allclose(logits, reference, atol=2e-2)
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+    reason="glibc's malloc settings: Linux with glibc only",
+)
+def test_freed_memory_stays_with_the_thread_that_frees_it(example):
+    """A thread (own arena, as XLA's workers have) allocating, writing and freeing a 16 MiB
+    buffer 20 times takes the buffer's page faults once (glibc's defaults take them at least
+    twice: an ``mmap`` first, then a fresh heap; in the example, every step). The settings
+    stay for the rest of the process, as they do in the example's."""
+    import ctypes
+    import resource
+    import threading
+
+    assert example.keep_freed_memory()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    size, faults = 16 << 20, []
+
+    def churn():  # this thread's faults only, not other threads' (XLA's, tqdm's)
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        for _ in range(20):
+            buffer = libc.malloc(size)
+            ctypes.memset(buffer, 1, size)
+            libc.free(buffer)
+        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    thread.join()
+    pages = size // resource.getpagesize()
+    assert faults[0] < 1.5 * pages, f"{faults[0]} page faults for 20 uses of {pages} pages"
