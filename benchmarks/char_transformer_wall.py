@@ -10,6 +10,11 @@ the ratio of the medians, with the versions (torch's and its thread count as nan
 prints them, jax's), the CPU model and the load average. The machine's speed drifts (other
 tenants, thermal limits): only figures taken in the same run compare.
 
+The example keeps XLA's compiled programs between runs (its ``--compile-cache``, JAX's
+persistent compilation cache, in ``~/.cache/lamina/xla``), as a user re-running it gets them: the
+first lamina run on a machine compiles (about 4.5 s of CPU), the later ones read the programs
+back, and each row says how many it read. ``--cold`` makes every lamina run compile.
+
     python benchmarks/char_transformer_wall.py                    # 2 rounds, about 9 minutes
     python benchmarks/char_transformer_wall.py --rounds 3 --torch-python /path/to/python
 
@@ -83,6 +88,11 @@ def main():
     parser.add_argument(
         "--sample", action="store_true", help="let the example write its sample at the end"
     )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="every lamina run compiles (--compile-cache ''): no programs kept between runs",
+    )
     args = parser.parse_args()
     if not Path(args.data).is_file():
         raise SystemExit(f"no text at {args.data} (--data)")
@@ -101,6 +111,7 @@ def main():
             "--quiet",
             "--out=/tmp/char_transformer_wall",
             *([] if args.sample else ["--sample-chars=0"]),
+            *(["--compile-cache="] if args.cold else []),
         ],
     }
     names = list(commands)
@@ -121,9 +132,13 @@ def main():
             torch_line = re.search(r"^(torch \S+, \d+ threads)", output, re.MULTILINE)
             if torch_line:
                 versions[name] = torch_line.group(1)
+            compiled = ""
+            if name != names[0]:  # the example says how many programs it read back
+                cache = re.search(r"compiled programs: (\d+) of (\d+) read from", output)
+                compiled = f", {cache[1]} of {cache[2]} programs from XLA's cache" if cache else ""
             print(
                 f"{round_ + 1:>5}  {name:<20} {seconds:8.1f} {loss:9.4f}  {load_average():<18}  "
-                f"{versions[name]}",
+                f"{versions[name]}{compiled}",
                 flush=True,
             )
     medians = {name: statistics.median(s for s, _ in rows) for name, rows in results.items()}

@@ -15,8 +15,14 @@ Each batch is split across the devices (data parallelism: `--devices`). On a CPU
 small model's operations one after another, on about one core; so the example makes each of
 the CPU's cores a JAX device (``jax_num_cpu_devices``) and gives each a share of the batch.
 The numbers are those of one device (the gradient of the mean loss is the mean of the
-shares' gradients, up to float rounding); the step takes about two thirds of the time on 2
-cores. With ``--devices 1``, or on one GPU, it is a plain single-device program.
+shares' gradients, up to float rounding; with dropout, each device draws its own masks); the
+step takes about two thirds of the time on 2 cores. Each device computes its share's
+gradients in `jax.shard_map`, and `lm.pmean` averages them in one collective. With
+``--devices 1``, or on one GPU, it is a plain single-device program. One call runs up to 25
+steps (a scan over batches drawn at once: the host's work per step is then nearly nothing).
+XLA's compiled programs are kept between runs (``--compile-cache``, in ``~/.cache/lamina/xla``):
+a second run with the same settings reads them back instead of compiling (all but the
+sampler's).
 
 The defaults are nanoGPT's CPU settings for Shakespeare (4 layers, 4 heads, width 128,
 context 64, batch 12, 2,000 iterations, no dropout, learning rate 1e-3), whose published
@@ -37,6 +43,7 @@ is ``val loss: X.XXXX``, the mean loss over fixed validation windows, without dr
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import ctypes
 import functools
@@ -60,6 +67,45 @@ from tqdm import tqdm
 import lamina as lm
 
 STDLIB_CHARACTERS = 1_000_000  # about the size of tinyshakespeare.txt
+
+
+# Compile requests and hits of JAX's persistent compilation cache, counted from its events.
+COMPILE_CACHE = collections.Counter()
+
+
+def default_compile_cache() -> str:
+    """Where a run as a script keeps XLA's compiled programs: JAX's own setting if the user
+    made one (``JAX_COMPILATION_CACHE_DIR``), else ``lamina/xla`` in the user's cache folder
+    (``$XDG_CACHE_HOME``, by default ``~/.cache``), which only they can write: the entries
+    are native code that the next run loads."""
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lamina", "xla")
+
+
+def use_compile_cache(folder: str | None) -> None:
+    """Keeps XLA's compiled programs in `folder` between runs (JAX's persistent compilation
+    cache), so a run with the same settings, JAX version and machine reads its programs back
+    instead of compiling them: the setup, the evaluation and the training step, about 4.5 s
+    of CPU time on 2 cores (the sampler, which calls back to the host, is compiled every
+    time: JAX keeps no such program). Each program is kept, however quick its compilation.
+    The folder is created for this user alone; nothing prunes it. A damaged entry (a run
+    killed while writing) is compiled again at every run, with JAX's warning: delete the
+    folder. The setting is the process's, so only a run as a script makes it by default;
+    None or an empty string keeps nothing."""
+    if not folder:
+        return
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if not COMPILE_CACHE:
+        COMPILE_CACHE["listening"] = 1
+        jax.monitoring.register_event_listener(
+            lambda event, **_: COMPILE_CACHE.update(
+                [event.rsplit("/", 1)[-1]] if event.startswith("/jax/compilation_cache/") else []
+            )
+        )
 
 
 def keep_freed_memory() -> bool:
@@ -351,9 +397,10 @@ def load_text(args) -> Text:
 
 
 def windows(ids, starts, block_size):
-    """``(inputs, targets)``: for each start, `block_size` ids and the same shifted by one."""
-    chunk = ids[starts[:, None] + np.arange(block_size + 1)]
-    return chunk[:, :-1], chunk[:, 1:]
+    """``(inputs, targets)``: for each start (an array of any shape), `block_size` ids and the
+    same shifted by one."""
+    chunk = ids[starts[..., None] + np.arange(block_size + 1)]
+    return chunk[..., :-1], chunk[..., 1:]
 
 
 # --- training ---------------------------------------------------------------------------
@@ -382,26 +429,60 @@ def make_optimizer(args, model, params):
     return optimizer, schedule
 
 
-def make_steps(apply, optimizer, split=None):
+def make_steps(apply, optimizer, split=None, steps_per_call=1):
     """The jitted training step and evaluation.
 
-    `split` (a sharding) spreads each batch across devices along its first axis; the
-    weights, replicated, get the mean of the devices' gradients (XLA adds the all-reduce).
+    `split` (a sharding along one mesh axis) spreads each batch across devices along its
+    first axis: each device computes the loss and gradients of its own rows
+    (`jax.shard_map`), and `lm.pmean` averages them in one all-reduce of one buffer (the
+    jitted step with a sharded batch alone has XLA average them, one buffer per weight:
+    XLA:CPU meets the other device once per buffer, 2 to 3 ms more per step here). Each
+    device draws its own dropout masks. The weights and AdamW stay replicated. On one device
+    it is the plain step.
+
+    With `steps_per_call` above 1, one call runs that many steps (a `lax.scan` over batches
+    stacked in front, ``Batches.next(steps_per_call)``) and returns their losses: the host
+    draws batches and dispatches once per call (see `STEPS_PER_CALL`).
     """
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, inputs, targets, key, step):
-        if split is not None:
-            inputs, targets = jax.lax.with_sharding_constraint((inputs, targets), split)
-
+    def loss_and_grads(params, inputs, targets, key, step):
         def loss_fn(params):
             dropout_key = jax.random.fold_in(key, step)
             logits, _ = apply({"params": params}, {"dropout": dropout_key}, inputs, True)
             return cross_entropy(logits, targets)
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return jax.value_and_grad(loss_fn)(params)
+
+    if split is not None and split.mesh.size > 1:
+        (axis,) = split.spec[:1]
+        whole = loss_and_grads
+
+        def per_device(params, inputs, targets, key, step):
+            key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+            mine = jax.lax.pcast(params, axis, to="varying")  # each device's own gradient
+            return lm.pmean(whole(mine, inputs, targets, key, step), axis)
+
+        rows = P(axis)
+        loss_and_grads = jax.shard_map(
+            per_device, mesh=split.mesh, in_specs=(P(), rows, rows, P(), P()), out_specs=P()
+        )
+
+    def one_step(params, opt_state, inputs, targets, key, step):
+        loss, grads = loss_and_grads(params, inputs, targets, key, step)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
+
+    def several_steps(params, opt_state, inputs, targets, key, first):
+        def turn(carry, batch):
+            params, opt_state, step = carry
+            params, opt_state, loss = one_step(params, opt_state, *batch, key, step)
+            return (params, opt_state, step + 1), loss
+
+        carry = (params, opt_state, jnp.asarray(first, jnp.int32))
+        (params, opt_state, _), losses = jax.lax.scan(turn, carry, (inputs, targets))
+        return params, opt_state, losses
+
+    train_step = jax.jit(one_step if steps_per_call == 1 else several_steps, donate_argnums=(0, 1))
 
     @jax.jit
     def evaluate(params, inputs, targets):
@@ -409,6 +490,19 @@ def make_steps(apply, optimizer, split=None):
         return cross_entropy(logits, targets)
 
     return train_step, evaluate
+
+
+# Steps per call of the training program. The host draws each batch and dispatches each call
+# on the same 2 cores the devices compute on: 1.3 ms of CPU a step one at a time (numpy's
+# windows, the transfer, JAX's dispatch of 60-odd arrays), 0.06 ms in calls of 25 steps,
+# 1 to 2 ms less per step (a one-off comparison on 2026-11-26). The count divides
+# --iters, --eval-interval and --log-interval (their greatest common divisor with this),
+# so evaluations and progress updates fall between calls; 1 is one step per call.
+STEPS_PER_CALL = 25
+
+
+def steps_per_call(args) -> int:
+    return math.gcd(args.iters, args.eval_interval, args.log_interval, STEPS_PER_CALL)
 
 
 class CompileAhead:
@@ -447,10 +541,11 @@ class CompileAhead:
 
 class Batches:
     """Random training windows, drawn on the host (as nanoGPT's ``get_batch`` does) while the
-    devices run the previous step, and sent split across them.
+    devices run the previous steps, and sent split across them.
 
-    ``next()`` returns ``(inputs, targets)``, each ``(batch_size, block_size)``; the same
-    seed gives the same batches.
+    ``next()`` returns ``(inputs, targets)``, each ``(batch_size, block_size)``;
+    ``next(count)`` returns `count` batches at once, each ``(count, batch_size, block_size)``:
+    the windows of `count` calls to ``next()``. The same seed gives the same batches.
     """
 
     def __init__(self, ids: np.ndarray, args, seed: int, split=None):
@@ -458,10 +553,21 @@ class Batches:
         self.rng = np.random.default_rng(seed)
         self.split = split
 
-    def next(self):
+    def next(self, count=None):
         last_start = len(self.ids) - self.block_size - 1
-        starts = self.rng.integers(0, last_start + 1, self.batch_size)
-        return jax.device_put(windows(self.ids, starts, self.block_size), self.split)
+        shape = (self.batch_size,) if count is None else (count, self.batch_size)
+        starts = self.rng.integers(0, last_start + 1, shape)
+        return jax.device_put(
+            windows(self.ids, starts, self.block_size), stacked(self.split, count)
+        )
+
+
+def stacked(split, count):
+    """`split` (a batch's sharding) for `count` batches stacked in front; `split` itself for
+    one batch (None)."""
+    if split is None or count is None:
+        return split
+    return NamedSharding(split.mesh, P(None, *split.spec))
 
 
 def validation_windows(data: Text, args, split=None):
@@ -506,8 +612,14 @@ def train(args, data: Text) -> dict:
         params = init(init_key)["params"]
         return params, optimizer.init(params), train_key, sample_key
 
-    train_step, evaluate = make_steps(apply, optimizer, split)
-    window = jax.ShapeDtypeStruct((args.batch_size, args.block_size), jnp.int32, sharding=split)
+    per_call = steps_per_call(args)
+    train_step, evaluate = make_steps(apply, optimizer, split, per_call)
+    count = None if per_call == 1 else per_call
+    window = jax.ShapeDtypeStruct(
+        (*([] if count is None else [count]), args.batch_size, args.block_size),
+        jnp.int32,
+        sharding=stacked(split, count),
+    )
     params_shape, opt_shape, key_shape, _ = jax.tree.map(  # all replicated, as setup gives
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
         jax.eval_shape(setup, args.seed),
@@ -517,18 +629,19 @@ def train(args, data: Text) -> dict:
     batches = Batches(data.train, args, args.seed, split)
     validation = validation_windows(data, args, split)
 
-    run = fit(args, (params, opt_state), train_step, evaluate, batches, validation, train_key)
+    state = (params, opt_state)
+    run = fit(args, state, train_step, evaluate, batches, validation, train_key, per_call)
     params, history, losses = run["params"], run["history"], run["losses"]
     loop_seconds, eval_seconds = run["seconds"], run["eval_seconds"]
     first_step_seconds = run["first_step_seconds"]
     steady_seconds = loop_seconds - eval_seconds - first_step_seconds
-    ms_per_iter = 1000 * steady_seconds / max(args.iters - 1, 1)
+    ms_per_iter = 1000 * steady_seconds / max(args.iters - per_call, 1)
 
     tick = time.perf_counter()
     params, sample_key = jax.device_put((params, sample_key), devices[0])  # one is enough
     text = sample(args, data, params, sample_key, args.sample_chars, args.temperature)
     sample_seconds = time.perf_counter() - tick
-    train_curve = np.asarray(jax.device_get(losses), dtype=np.float32)
+    train_curve = np.concatenate([np.atleast_1d(x) for x in jax.device_get(losses)])
     return {
         "data": data.name,
         "vocab_size": len(data.chars),
@@ -547,41 +660,52 @@ def train(args, data: Text) -> dict:
             "sampling_with_compilation": sample_seconds,
         },
         "ms_per_iter": ms_per_iter,
+        "steps_per_call": per_call,
         "devices": len(devices),
         "sample": text,
     }
 
 
-# Steps queued ahead of the devices. JAX runs ahead of them (asynchronous dispatch) while
-# the host draws the next batches; but with several CPU devices, each step's all-reduce
-# needs every device's share running at once, and XLA:CPU's client (jaxlib 0.10) deadlocks
-# when more than about 32 such steps wait in its queues (its worker threads block on a
-# full device queue while the share they wait for sits behind it). Eight keep the devices
-# busy: waiting for the step eight back costs nothing, it finished long ago.
+# Steps queued ahead of the devices, in whole calls (at least one call: 25 steps when a call
+# runs 25). JAX runs ahead of them (asynchronous dispatch) while the host draws the next
+# batches; but with several CPU devices, each call's all-reduces need every device's share
+# running at once, and XLA:CPU's client (jaxlib 0.10) deadlocks when more than about 32
+# such calls wait in its queues (its worker threads block on a full device queue while the
+# share they wait for sits behind it). Eight keep the devices busy: waiting for the step
+# eight back costs nothing, it finished long ago.
 IN_FLIGHT = 8
 
 
-def fit(args, state, train_step, evaluate, batches, validation, key) -> dict:
-    """The training loop: --iters steps from ``state = (params, opt_state)``, evaluating on
-    the `validation` windows every --eval-interval iterations, with a progress bar.
+def fit(args, state, train_step, evaluate, batches, validation, key, per_call=1) -> dict:
+    """The training loop: --iters steps from ``state = (params, opt_state)``, `per_call` steps
+    per call of `train_step` (a divisor of --iters, --eval-interval and --log-interval),
+    evaluating on the `validation` windows every --eval-interval iterations, with a progress
+    bar.
 
-    Returns the final params, the evaluations (`history`), the loss of every step (device
-    arrays) and the seconds spent: in all, in evaluation, and in the first step (compiling).
+    Returns the final params, the evaluations (`history`), the losses of every call (device
+    arrays: one per step, or `per_call` of them) and the seconds spent: in all, in
+    evaluation, and in the first call (compiling).
     """
     params, opt_state = state
     eval_steps = sorted({*range(0, args.iters, args.eval_interval), args.iters})
+    count = None if per_call == 1 else per_call
+    in_flight = max(IN_FLIGHT // per_call, 1)  # calls queued, whatever --log-interval says
+
+    def mean_of_last(steps):
+        recent = jax.device_get(losses[-(steps // per_call) :])
+        return float(np.mean(np.concatenate([np.atleast_1d(x) for x in recent])))
+
     history, losses = [], []
     eval_seconds = first_step_seconds = 0.0
     bar = tqdm(total=args.iters, unit="it", disable=args.quiet, leave=False, mininterval=0.5)
     start = time.perf_counter()
-    for step in range(args.iters + 1):
+    for step in range(0, args.iters + 1, per_call):
         if step in eval_steps:
             jax.block_until_ready(params)  # the steps before it count as training time
             tick = time.perf_counter()
             val_loss = float(evaluate(params, *validation))
             eval_seconds += time.perf_counter() - tick
-            recent = losses[-args.eval_interval :]
-            train_loss = float(np.mean(jax.device_get(recent))) if recent else None
+            train_loss = mean_of_last(args.eval_interval) if losses else None
             history.append({"step": step, "train_loss": train_loss, "val_loss": val_loss})
             shown = "-" if train_loss is None else f"{train_loss:.4f}"
             message = f"step {step:5d}  train loss {shown}  val loss {val_loss:.4f}"
@@ -589,18 +713,18 @@ def fit(args, state, train_step, evaluate, batches, validation, key) -> dict:
         if step == args.iters:
             break
         tick = time.perf_counter()
-        inputs, targets = batches.next()
+        inputs, targets = batches.next(count)
         params, opt_state, loss = train_step(params, opt_state, inputs, targets, key, step)
         losses.append(loss)
-        if step >= IN_FLIGHT:  # at most IN_FLIGHT steps queued, whatever --log-interval says
-            losses[step - IN_FLIGHT].block_until_ready()
-        if step == 0:  # the step that compiles (or waits for its compilation)
+        if len(losses) > in_flight:
+            losses[-1 - in_flight].block_until_ready()
+        if step == 0:  # the call that compiles (or waits for its compilation)
             jax.block_until_ready(loss)
             first_step_seconds = time.perf_counter() - tick
-        if (step + 1) % args.log_interval == 0 or step + 1 == args.iters:
-            recent = np.mean(jax.device_get(losses[-args.log_interval :]))
-            bar.set_postfix(loss=f"{recent:.4f}")  # one wait per interval, not per step
-            bar.update(step + 1 - bar.n)
+        done = step + per_call
+        if done % args.log_interval == 0 or done == args.iters:
+            bar.set_postfix(loss=f"{mean_of_last(args.log_interval):.4f}")  # a wait per update
+            bar.update(done - bar.n)
     bar.close()
     return {
         "params": params,
@@ -805,6 +929,13 @@ def parse_args(argv=None):
     )
     _common.add_output_argument(parser, "char_transformer")
     add(
+        "--compile-cache",
+        metavar="DIR",
+        help="keep XLA's compiled programs in DIR, so the next run with the same settings "
+        "reads them back (default as a script: $JAX_COMPILATION_CACHE_DIR if set, else "
+        "~/.cache/lamina/xla; '' keeps none)",
+    )
+    add(
         "--precision",
         choices=("float32", "bfloat16"),
         default="float32",
@@ -827,10 +958,14 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> dict:
+def main(argv=None, compile_cache=None) -> dict:
+    """Runs the example; `compile_cache` is --compile-cache's default (the script's:
+    `default_compile_cache`; from Python: none, since the setting is the process's)."""
     args = parse_args(argv)
     cpu_cores_as_devices()
     keep_freed_memory()
+    use_compile_cache(compile_cache if args.compile_cache is None else args.compile_cache)
+    cache_before = COMPILE_CACHE.copy()
     try:
         data = load_text(args)
     except (OSError, UnicodeDecodeError, TextTooShortError) as error:
@@ -839,21 +974,28 @@ def main(argv=None) -> dict:
         results = train(args, data)
     except DeviceCountError as error:
         raise SystemExit(f"error: {error}") from None
-    seconds = results["seconds"]
+    seconds, per_call = results["seconds"], results["steps_per_call"]
     print(f"\nsample ({args.sample_chars} characters, temperature {args.temperature}):")
     print(results["sample"])
     print(
         f"\n{args.iters} iterations in {seconds['loop']:.1f} s: "
-        f"{results['ms_per_iter']:.1f} ms per iteration after the first (which waited "
+        f"{results['ms_per_iter']:.1f} ms per iteration after the first call "
+        f"({per_call} step{'s' * (per_call > 1)} a call; the first waited "
         f"{seconds['first_step_with_compilation']:.1f} s for its compilation: "
         f"{seconds['compiling_the_step_beside_the_rest']:.1f} s, beside the setup and the first "
         f"evaluation), {seconds['evaluation_with_compilation']:.1f} s evaluating; "
         f"sampling {seconds['sampling_with_compilation']:.1f} s"
     )
+    cache = COMPILE_CACHE - cache_before  # this run's
+    if cache["compile_requests_use_cache"]:
+        print(
+            f"compiled programs: {cache['cache_hits']} of {cache['compile_requests_use_cache']}"
+            f" read from XLA's cache in {jax.config.jax_compilation_cache_dir} (--compile-cache)"
+        )
     results["files"] = save(results, args)
     print(f"val loss: {results['val_loss']:.4f}")
     return results
 
 
 if __name__ == "__main__":
-    main()
+    main(compile_cache=default_compile_cache())

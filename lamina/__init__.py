@@ -143,6 +143,7 @@ from .selection import split as split
 from .selection import take_variables as take_variables
 from .selection import to_predicate as to_predicate
 from .selection import value_and_grad as value_and_grad
+from .sharding import pmean as pmean
 from .sharding import shardings as shardings
 
 __version__ = "0.1.0"

@@ -367,6 +367,72 @@ def check_batch_norm_under_shard_map() -> None:
     print("ok batch_norm_under_shard_map")
 
 
+def check_pmean_is_one_all_reduce() -> None:
+    """lm.pmean over 8 devices: lax.pmean's values, from one buffer per dtype (lax.pmean's
+    own all-reduce has an operand per leaf)."""
+    mesh = auto_mesh((8,), ("data",))
+    rng = np.random.default_rng(3)
+    tree = {
+        "kernel": jnp.asarray(rng.normal(size=(8, 3, 4)), jnp.float32),
+        "bias": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),
+        "scale": jnp.asarray(rng.normal(size=(8,)), jnp.float32),
+        "half": jnp.asarray(rng.normal(size=(8, 5)), jnp.bfloat16),
+    }
+
+    def mapped(mean: object) -> object:
+        return jax.jit(
+            jax.shard_map(
+                lambda t: mean(jax.tree.map(lambda x: x[0], t), "data"),
+                mesh=mesh,
+                in_specs=P("data"),
+                out_specs=P(),
+            )
+        )
+
+    ours, theirs = mapped(lm.pmean), mapped(jax.lax.pmean)
+    close(ours(tree), theirs(tree), "lm.pmean", rtol=1e-6, atol=1e-7)
+    for name, leaf in ours(tree).items():
+        assert leaf.shape == tree[name].shape[1:] and leaf.dtype == tree[name].dtype, name
+
+    # One buffer per dtype, where lax.pmean's all-reduce has an operand per leaf (XLA may
+    # combine all-reduces into one of several operands, and sums bfloat16 in float32).
+    def operands(mean: object) -> list[int]:
+        hlo = mapped(mean).lower(tree).compile().as_text()
+        shapes = re.findall(r"= (\(.*?\)|\S+) all-reduce(?:-start)?\(", hlo)
+        return [shape.count("[") for shape in shapes]
+
+    assert operands(lm.pmean) == [2] and operands(jax.lax.pmean) == [4], (
+        operands(lm.pmean),
+        operands(jax.lax.pmean),
+    )
+    # On explicit mesh axes, a leaf sharded along "model" keeps its own collective over
+    # "data" (a reshape of it to one buffer would be an error), the others share one.
+    explicit = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    grads = {
+        "kernel": jax.device_put(
+            tree["kernel"][:2], NamedSharding(explicit, P(None, None, "model"))
+        ),
+        "bias": jax.device_put(tree["bias"][:2, :3], NamedSharding(explicit, P("data"))),
+        "scale": jax.device_put(tree["scale"][:2], NamedSharding(explicit, P("data"))),
+    }
+
+    def explicit_mean(mean: object) -> object:
+        mapped = jax.shard_map(
+            lambda g: mean(jax.tree.map(lambda x: x[0], g), "data"),
+            mesh=explicit,
+            in_specs=P("data"),
+            out_specs=P(),
+            axis_names={"data"},
+        )
+        with jax.set_mesh(explicit):
+            return jax.jit(mapped)(grads)
+
+    ours, theirs = explicit_mean(lm.pmean), explicit_mean(jax.lax.pmean)
+    close(ours, theirs, "lm.pmean on explicit axes", rtol=1e-6, atol=1e-7)
+    assert ours["kernel"].sharding.spec == theirs["kernel"].sharding.spec == P(None, "model")
+    print("ok pmean_is_one_all_reduce")
+
+
 def check_errors_on_a_real_mesh() -> None:
     mesh = auto_mesh((2, 4), ("data", "model"))
     model = lm.Dense(6, 8, kernel_sharding=("embed", "mlp"))
@@ -392,6 +458,7 @@ def main() -> None:
         check_explicit_mesh_training_step_matches_one_device,
         check_explicit_mesh_depth_sharded_stack,
         check_explicit_mesh_conv_training_step_matches_one_device,
+        check_pmean_is_one_all_reduce,
     ]
     names = sys.argv[1:]
     for check in checks:

@@ -137,29 +137,45 @@ def test_example_bad_arguments(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_splitting_the_batch_across_cpu_cores_gives_the_numbers_of_one_device(tmp_path):
     """The example makes each CPU core a JAX device (a setting read when JAX starts, so each
-    run is its own process) and splits every batch across them: same losses as one device."""
+    run is its own process) and splits every batch across them: same losses as one device.
+    Five steps per call (the divisor of --iters, --eval-interval and --log-interval) give
+    the losses of one step per call (--log-interval 1); a second run reads its compiled
+    programs back from --compile-cache, with the same losses again."""
     path = tmp_path / "text.txt"
     path.write_text(TEXT, encoding="utf-8")
     common = [
         *("--data", str(path), "--layers", "1", "--heads", "2", "--width", "16"),
-        *("--block-size", "8", "--batch-size", "4", "--iters", "6", "--eval-interval", "3"),
-        *("--eval-batches", "2", "--sample-chars", "0", "--quiet"),
+        *("--block-size", "8", "--batch-size", "4", "--iters", "10", "--eval-interval", "5"),
+        *("--eval-batches", "2", "--sample-chars", "0", "--quiet", "--log-interval", "5"),
+        *("--compile-cache", str(tmp_path / "xla")),
     ]
     script = str(EXAMPLES / "char_transformer.py")
-    runs = {}
-    for devices in (1, 2):
-        out = str(tmp_path / f"run{devices}")
+    runs, cached, per_call = {}, {}, {}
+    settings = {
+        "1 device": ["--devices", "1"],
+        "2 devices, 1 step a call": ["--devices", "2", "--log-interval", "1"],
+        "2 devices": ["--devices", "2"],
+        "2 devices again": ["--devices", "2"],
+    }
+    for name, options in settings.items():
         done = subprocess.run(
-            [sys.executable, script, *common, "--devices", str(devices), "--out", out],
+            [sys.executable, script, *common, *options, "--out", str(tmp_path / name)],
             capture_output=True,
             text=True,
             check=True,
             env={**os.environ, **FAST_ENV},
         )
-        assert f"devices: {devices} CPU, {4 // devices} windows of the batch each" in done.stdout
-        runs[devices] = [float(x) for x in re.findall(r"val loss (\d+\.\d+)", done.stdout)]
-    assert len(runs[1]) == 3
-    np.testing.assert_allclose(runs[2], runs[1], rtol=1e-4)
+        count = int(options[1])
+        assert f"devices: {count} CPU, {4 // count} windows of the batch each" in done.stdout
+        runs[name] = [float(x) for x in re.findall(r"val loss (\d+\.\d+)", done.stdout)]
+        (cached[name],) = re.findall(r"compiled programs: (\d+ of \d+) read", done.stdout)
+        (per_call[name],) = re.findall(r"\((\d+) steps? a call", done.stdout)
+    assert len(runs["1 device"]) == 3
+    np.testing.assert_allclose(runs["2 devices"], runs["1 device"], rtol=1e-4)
+    assert runs["2 devices, 1 step a call"] == runs["2 devices"] == runs["2 devices again"]
+    assert per_call == {name: "1" if "1 step" in name else "5" for name in settings}
+    # The third run shares the setup and the evaluation with the second, not the step.
+    assert list(cached.values()) == ["0 of 3", "0 of 3", "2 of 3", "3 of 3"], cached
     too_many = subprocess.run(
         [sys.executable, script, *common, "--devices", "3"],
         capture_output=True,
@@ -185,7 +201,7 @@ def test_training_keeps_a_bounded_number_of_steps_queued(example):
         return params, opt_state, loss
 
     class Batches:
-        def next(self):
+        def next(self, count=None):
             return None, None
 
     returned = []

@@ -347,8 +347,9 @@ def test_stack_depth_sharding_is_read_only():
 
 def test_on_eight_host_devices():
     """Sharded init, a 2x4 data+tensor-parallel adamw step equal to one device's, BatchNorm
-    under shard_map, a divisibility error on a real mesh, and on jax.make_mesh's default
-    Explicit axes the same step and a depth-sharded Stack (tests/sharding_devices.py)."""
+    under shard_map, a divisibility error on a real mesh, on jax.make_mesh's default
+    Explicit axes the same step and a depth-sharded Stack, and lm.pmean's one all-reduce
+    per dtype (tests/sharding_devices.py)."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "sharding_devices.py")],
         capture_output=True,
@@ -373,6 +374,8 @@ def test_on_eight_host_devices():
         "explicit_mesh_depth_sharded_stack",
         "ok",
         "explicit_mesh_conv_training_step_matches_one_device",
+        "ok",
+        "pmean_is_one_all_reduce",
     ]
 
 

@@ -4,7 +4,9 @@ A room beside the core that reads the `Plan`: each declaration's logical axis na
 onto mesh axes by rules (`shardings`, one `NamedSharding` per variable, for
 ``jax.jit(init, out_shardings=...)``). `explicit.py` holds the helpers the layers and the
 lifted transforms use on a mesh with explicit axes (`result_sharding`, `match_sharding`,
-`gather_axis`, `unshard_leading`). It imports only the core.
+`gather_axis`, `unshard_leading`); `collectives.py` averages a whole pytree across devices
+in one collective per dtype (`pmean`). It imports only the core.
 """
 
+from .collectives import pmean as pmean
 from .shardings import shardings as shardings
