@@ -109,11 +109,11 @@ def test_examples_say_how_to_get_fashion_mnist(monkeypatch, capsys, tmp_path):
     reason="needs Debian's dataset-fashion-mnist; .ci/run installs it",
 )
 def test_mnist_example_on_fashion_mnist_subset(monkeypatch, capsys, tmp_path):
-    argv = ["--epochs", "1", "--limit", "12800", "--quiet", "--out", str(tmp_path)]
+    argv = ["--epochs", "1", "--limit", "6400", "--quiet", "--out", str(tmp_path)]
     results = run_example("mnist.py", argv, monkeypatch)
-    assert results["data"] == "Fashion-MNIST" and results["train_size"] == 12800
+    assert results["data"] == "Fashion-MNIST" and results["train_size"] == 6400
     assert f"data: Fashion-MNIST, from {lm.data.FASHION_MNIST_DIR}" in capsys.readouterr().out
-    assert results["test"]["test_accuracy"] > 0.72  # 200 steps: well above chance (0.1)
+    assert results["test"]["test_accuracy"] > 0.72  # 100 steps (0.776 here): chance is 0.1
 
 
 def test_mnist_example_bad_data_dir(monkeypatch, tmp_path):
