@@ -493,9 +493,8 @@ def make_steps(apply, optimizer, split=None, steps_per_call=1):
 
 
 # Steps per call of the training program. The host draws each batch and dispatches each call
-# on the same 2 cores the devices compute on: 1.3 ms of CPU a step one at a time (numpy's
-# windows, the transfer, JAX's dispatch of 60-odd arrays), 0.06 ms in calls of 25 steps,
-# 1 to 2 ms less per step (a one-off comparison on 2026-11-26). The count divides
+# on the same 2 cores the devices compute on (numpy's windows, the transfer, JAX's dispatch
+# of 60-odd arrays); in calls of 25 steps that work is spread over 25. The count divides
 # --iters, --eval-interval and --log-interval (their greatest common divisor with this),
 # so evaluations and progress updates fall between calls; 1 is one step per call.
 STEPS_PER_CALL = 25
