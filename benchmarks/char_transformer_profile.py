@@ -19,7 +19,11 @@ compared with the step's wall time: when they agree, the thunks ran one after an
 
     python benchmarks/char_transformer_profile.py                  # about a minute
     python benchmarks/char_transformer_profile.py --devices 2 --top 60
+    python benchmarks/char_transformer_profile.py --devices 2 --steps-per-call   # as the example
     python benchmarks/char_transformer_profile.py --json profile.json
+
+``--steps-per-call`` profiles the program the example runs, 25 steps per call (a scan); the
+default is one step per call, whose figures the docs quote from before the example ran 25.
 
 The figures are milliseconds per step on this machine; other processes inflate them (the
 load average is printed), proportions hold better than absolute values.
@@ -120,8 +124,9 @@ def trace_events(folder: str) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
-def build(args):
-    """The example's step, parameters, optimiser state and one batch, like its `train`."""
+def build(args, per_call=1):
+    """The example's step, parameters, optimiser state and one call's batches, like its
+    `train`: `per_call` steps per call (a scan)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -135,8 +140,9 @@ def build(args):
     split = NamedSharding(mesh, P("batch"))
     params = jax.device_put(params, NamedSharding(mesh, P()))
     opt_state = jax.jit(optimizer.init)(params)
-    train_step, _ = example.make_steps(apply, optimizer, split)
-    batch = example.Batches(data.train, args, 0, split).next()
+    train_step, _ = example.make_steps(apply, optimizer, split, per_call)
+    count = None if per_call == 1 else per_call
+    batch = example.Batches(data.train, args, 0, split).next(count)
     return train_step, params, opt_state, batch, example.Batches(data.train, args, 0, split)
 
 
@@ -145,7 +151,23 @@ def main():
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--devices", type=int, default=1, help="(default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=10, help="steps traced (default: 10)")
+    parser.add_argument(
+        "--steps", type=int, default=10, help="steps traced, in whole calls (default: 10)"
+    )
+    parser.add_argument(
+        "--scheduler",
+        help="XLA:CPU's scheduler for the step (a compiler option; default: XLA's choice): "
+        "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED, CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED",
+    )
+    parser.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=1,
+        help="steps per call, a scan, as the example runs %(const)s (default: %(default)s); "
+        "the figures are per step",
+        const=example.STEPS_PER_CALL,
+        nargs="?",
+    )
     parser.add_argument("--top", type=int, default=25, help="longest thunks to list")
     parser.add_argument("--json", help="write the tables to this file")
     parser.add_argument(
@@ -168,7 +190,10 @@ def main():
             event, compile_events[event] + seconds
         )
     )
-    train_step, params, opt_state, batch, batches = build(args)
+    per_call = options.steps_per_call
+    if per_call < 1:
+        parser.error(f"--steps-per-call must be at least 1, got {per_call}")
+    train_step, params, opt_state, batch, batches = build(args, per_call)
     compile_events.clear()  # from here on: the step's compile alone
     key = jax.random.key(1)
     step_args = (params, opt_state, *batch, key, 0)
@@ -176,22 +201,27 @@ def main():
     lowered = train_step.lower(*step_args)
     lower_seconds = time.perf_counter() - tick
     tick = time.perf_counter()
-    compiled = lowered.compile()
+    overrides = {"xla_cpu_scheduler_type": options.scheduler} if options.scheduler else None
+    compiled = lowered.compile(overrides)
     compile_seconds = time.perf_counter() - tick
     step_events = dict(compile_events)
     table = instruction_metadata(compiled.as_text())
 
+    def calls(steps):  # calls that run about `steps` steps, at least one
+        return max(round(steps / per_call), 1)
+
     state = (params, opt_state)
-    for i in range(5):  # warm-up (the jitted function compiles once more through its cache)
-        *state, loss = train_step(*state, *batch, key, i)
+    for i in range(calls(5)):  # warm-up
+        *state, loss = compiled(*state, *batch, key, i * per_call)
     loss.block_until_ready()
     walls, cpus = [], []
-    for i in range(40):
+    timed = max(calls(40), 5)
+    for i in range(timed):
         wall, cpu = time.perf_counter(), time.process_time()
-        *state, loss = train_step(*state, *batch, key, i)
+        *state, loss = compiled(*state, *batch, key, i * per_call)
         loss.block_until_ready()
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
+        walls.append((time.perf_counter() - wall) / per_call)
+        cpus.append((time.process_time() - cpu) / per_call)
     step_ms = 1000 * statistics.median(walls)
     cpu_ratio = statistics.median(cpus) / statistics.median(walls)
 
@@ -199,13 +229,14 @@ def main():
     # at most `example.IN_FLIGHT` steps queued, as the example's loop keeps them (more
     # deadlock XLA:CPU's all-reduce on several devices); then drawing a batch alone.
     returns, queued = [], []
-    for i in range(50):
+    in_flight = max(example.IN_FLIGHT // per_call, 1)
+    for i in range(max(calls(50), 2 * in_flight + 1)):
         tick = time.perf_counter()
-        *state, loss = train_step(*state, *batch, key, i)
+        *state, loss = compiled(*state, *batch, key, i * per_call)
         returns.append(time.perf_counter() - tick)
         queued.append(loss)
-        if i >= example.IN_FLIGHT:
-            queued[i - example.IN_FLIGHT].block_until_ready()
+        if i >= in_flight:
+            queued[i - in_flight].block_until_ready()
     dispatch_ms = 1000 * statistics.median(returns)
     loss.block_until_ready()
     tick = time.perf_counter()
@@ -215,17 +246,18 @@ def main():
 
     with tempfile.TemporaryDirectory() as folder:
         with jax.profiler.trace(folder):
-            for i in range(options.steps):
-                *state, loss = train_step(*state, *batch, key, i)
+            for i in range(calls(options.steps)):
+                *state, loss = compiled(*state, *batch, key, i * per_call)
                 loss.block_until_ready()
         events = trace_events(folder)
+    traced = calls(options.steps) * per_call  # steps
 
     by_name: dict[str, float] = collections.defaultdict(float)
     threads: dict[int, float] = collections.defaultdict(float)
     for event in events:
         if event.get("ph") == "X" and event.get("name") in table:
-            by_name[event["name"]] += event["dur"] / 1000 / options.steps
-            threads[event.get("tid", 0)] += event["dur"] / 1000 / options.steps
+            by_name[event["name"]] += event["dur"] / 1000 / traced
+            threads[event.get("tid", 0)] += event["dur"] / 1000 / traced
     rows = {"layer": collections.Counter(), "phase": collections.Counter()}
     rows["kind"] = collections.Counter()
     for name, ms in by_name.items():
@@ -237,7 +269,9 @@ def main():
 
     print(
         f"jax {jax.__version__}, {args.devices} device(s), {len(table)} instructions, load "
-        f"{os.getloadavg()[0]:.2f}\nstep {step_ms:.1f} ms (median of 40, CPU/wall "
+        f"{os.getloadavg()[0]:.2f}, {per_call} step(s) per call, scheduler "
+        f"{options.scheduler or 'default'}\n"
+        f"step {step_ms:.1f} ms (median of {timed} calls, CPU/wall "
         f"{cpu_ratio:.2f}); thunks sum to {total:.1f} ms/step on {len(threads)} thread(s); "
         f"host: {dispatch_ms:.2f} ms for a call to return, {batch_ms:.2f} ms per batch"
     )

@@ -41,9 +41,17 @@ DEFAULT_DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
 def run(command: list[str]) -> tuple[float, float, str]:
-    """Runs `command`; returns (seconds, the last ``val loss: X`` it printed, its output)."""
+    """Runs `command`; returns (seconds, the last ``val loss: X`` it printed, its output).
+
+    Python may keep the bytecode of what it imports (``__pycache__``), as it does on a
+    user's machine: a ``PYTHONDONTWRITEBYTECODE`` in this environment is not passed on (it
+    would have the example compile lamina's 120-odd modules from source at every run).
+    """
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=False)
+    done = subprocess.run(
+        command, capture_output=True, text=True, cwd=ROOT, check=False, env=environment
+    )
     seconds = time.perf_counter() - start
     if done.returncode:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
