@@ -640,7 +640,7 @@ def train(args, data: Text) -> dict:
     params, sample_key = jax.device_put((params, sample_key), devices[0])  # one is enough
     text = sample(args, data, params, sample_key, args.sample_chars, args.temperature)
     sample_seconds = time.perf_counter() - tick
-    train_curve = np.concatenate([np.atleast_1d(x) for x in jax.device_get(losses)])
+    train_curve = per_step(losses)
     return {
         "data": data.name,
         "vocab_size": len(data.chars),
@@ -675,6 +675,11 @@ def train(args, data: Text) -> dict:
 IN_FLIGHT = 8
 
 
+def per_step(losses) -> np.ndarray:
+    """The losses `fit` returns (a scalar or a vector of them per call), one per step."""
+    return np.concatenate([np.atleast_1d(x) for x in jax.device_get(losses)])
+
+
 def fit(args, state, train_step, evaluate, batches, validation, key, per_call=1) -> dict:
     """The training loop: --iters steps from ``state = (params, opt_state)``, `per_call` steps
     per call of `train_step` (a divisor of --iters, --eval-interval and --log-interval),
@@ -691,8 +696,7 @@ def fit(args, state, train_step, evaluate, batches, validation, key, per_call=1)
     in_flight = max(IN_FLIGHT // per_call, 1)  # calls queued, whatever --log-interval says
 
     def mean_of_last(steps):
-        recent = jax.device_get(losses[-(steps // per_call) :])
-        return float(np.mean(np.concatenate([np.atleast_1d(x) for x in recent])))
+        return float(np.mean(per_step(losses[-(steps // per_call) :])))
 
     history, losses = [], []
     eval_seconds = first_step_seconds = 0.0
