@@ -6,10 +6,12 @@ never a timing. `run.py` runs in a subprocess: the peers' code is not written fo
 suite's strict dtype and rank promotion.
 """
 
+import importlib
 import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -188,3 +190,22 @@ def test_the_char_transformer_profile_and_the_operations_against_torch(tmp_path)
         jax_us, torch_us, ratio = numbers[:3] if len(numbers) == 4 else numbers[-3:]
         assert jax_us > 0 and torch_us > 0  # the ratio is printed to two decimals:
         assert math.isclose(ratio, jax_us / torch_us, rel_tol=0.05, abs_tol=0.006), row
+
+
+def test_the_race_reads_nanogpts_training_time(tmp_path, monkeypatch):
+    """benchmarks/char_transformer_wall.py reads each contestant's training milliseconds per
+    iteration from what it prints: here nanoGPT's (a two-iteration run; the example's is read
+    in tests/test_char_transformer.py), its loop less its evaluations; it refuses an output
+    without one, and its medians and ratios are those of the rounds."""
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 200, encoding="utf-8")
+    out = script("benchmarks/nanogpt_torch.py", f"--data={text}", "--iters=2")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    wall = importlib.import_module("char_transformer_wall")
+    line = re.search(r"([\d.]+) ms per iteration \(evaluation included\), ([\d.]+) ms per", out)
+    assert line, out
+    assert 0 < wall.training_ms_per_iteration(out) == float(line[2]) < float(line[1])
+    with pytest.raises(SystemExit, match="no training time in the output"):
+        wall.training_ms_per_iteration("val loss: 1.2345\n")
+    rounds = {"a": [(10.0, 5.0, 1.9), (30.0, 7.0, 1.9), (20.0, 9.0, 1.9)], "b": [(8.0, 6.0, 1.8)]}
+    assert wall.medians(rounds) == {"a": (20.0, 1.0, 7.0, 1.0), "b": (8.0, 0.4, 6.0, 6.0 / 7.0)}

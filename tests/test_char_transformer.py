@@ -107,6 +107,13 @@ def test_example_end_to_end(monkeypatch, capsys, tmp_path):
     saved = check_saved(results, out_dir, out)
     assert saved["val_loss"] == results["val_loss"] and saved["args"]["layers"] == 2
     assert len(saved["train_loss_per_iter"]) == 60
+    # the race (benchmarks/char_transformer_wall.py) reads the training time from this output:
+    # the loop less the evaluations, each printed to 0.1 s
+    monkeypatch.syspath_prepend(str(EXAMPLES.parent / "benchmarks"))
+    training_ms = importlib.import_module("char_transformer_wall").training_ms_per_iteration(out)
+    seconds = results["seconds"]
+    expected = 1000 * (seconds["loop"] - seconds["evaluation_with_compilation"]) / 60
+    assert training_ms == pytest.approx(expected, abs=0.11 * 1000 / 60)
 
 
 def test_example_defaults_to_python_source(example, capsys):

@@ -28,6 +28,8 @@ from lamina.deploy.jaxpr_replay import Unsupported, equations, pool_for_onnx, re
 from tests.helpers import assert_close
 from tests.layer_table import LAYERS, Function, build_inference_form, cast_inputs, drawn
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 ort.set_default_logger_severity(3)
 EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
 RTOL, ATOL = 1e-4, 1e-5

@@ -20,6 +20,8 @@ import pytest
 import lamina as lm
 from tests.layer_table import LAYERS, build_inference_form
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 # Entries without an inference form, and why.
 NO_INFERENCE_FORM = {
     "dropout_function": "fixes is_training=True in the layer: its only form draws random keys "

@@ -10,6 +10,8 @@ import pytest
 import lamina as lm
 from tests.layer_table import BY_NAME, IDS, LAYERS, cast_inputs
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 # ---------------------------------------------------------------------------------------------
 # Models with deliberately wrong gradient rules
 

@@ -16,6 +16,8 @@ from lamina import Conv, ConvTranspose
 from tests.helpers import abstract_init, assert_close, layout
 from tests.linen_helpers import check_against_linen
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 
 @pytest.fixture
 def normal():

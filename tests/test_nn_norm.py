@@ -28,6 +28,8 @@ from tests.linen_helpers import (
     randomize,
 )
 
+pytestmark = pytest.mark.fast_compile  # tests/conftest.py
+
 FEATURES = 6
 GROUPS = 3
 SHAPES = {"2d": (5, FEATURES), "4d": (2, 4, 3, FEATURES)}
